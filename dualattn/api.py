@@ -1,0 +1,112 @@
+"""Public entry points: attention, attention_varlen, attention_with_kvcache, explain."""
+from __future__ import annotations
+
+import torch
+
+from . import debug, dispatch, spec as spec_mod
+
+
+class _Attention(torch.autograd.Function):
+    """Runs one implementation's forward; its backward when autograd asks."""
+
+    @staticmethod
+    def forward(ctx, impl, call, q, k, v):
+        out, lse = impl.forward(call)
+        ctx.impl, ctx.call = impl, call
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        call = ctx.call.with_tensors(q=q, k=k, v=v)
+        dq, dk, dv = ctx.impl.backward(call, out, lse, dout.contiguous())
+        return None, None, dq, dk, dv
+
+
+def _needs_grad(*ts) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def run_call(call, impl: str):
+    """Dispatch a validated call (honouring reference / check mode) and return (out, lse)."""
+    mode = debug.current_mode()
+    requested = "torch" if mode == "reference" else impl
+    chosen = dispatch.select(call.spec, requested)
+    if call.spec.needs_grad:
+        out, lse = _Attention.apply(chosen, call, call.q, call.k, call.v)
+    else:
+        out, lse = chosen.forward(call)
+    if mode == "check" and chosen.family != "torch":
+        debug.check_against_reference(call, chosen, out, lse)
+    return out, lse
+
+
+def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, key_ranges=None,
+              block_sparse=None, deterministic=False, return_lse=False, impl="auto"):
+    """Attention over q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> (B, Sq, Hq, Dv).
+
+    With ``return_lse`` also returns the natural-log LSE, fp32 (B, Hq, Sq).
+    """
+    call = spec_mod.build_dense(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale,
+                                key_ranges=key_ranges, block_sparse=block_sparse, deterministic=deterministic,
+                                return_lse=return_lse)
+    call.spec = _with_grad(call.spec, q, k, v)
+    out, lse = run_call(call, impl)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                     window=(-1, -1), softcap=0.0, scale=None, key_ranges=None, block_sparse=None,
+                     deterministic=False, return_lse=False, impl="auto"):
+    """Packed sequences: q (total_q, Hq, D), k/v (total_k, Hkv, D/Dv), int32 cu_seqlens of length B+1.
+
+    LSE (with ``return_lse``) is fp32 (Hq, total_q).
+    """
+    call = spec_mod.build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                 window=window, softcap=softcap, scale=scale, key_ranges=key_ranges,
+                                 block_sparse=block_sparse, deterministic=deterministic, return_lse=return_lse)
+    call.spec = _with_grad(call.spec, q, k, v)
+    out, lse = run_call(call, impl)
+    return (out, lse) if return_lse else out
+
+
+def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k_new=None, v_new=None,
+                           causal=False, window=(-1, -1), softcap=0.0, scale=None, num_splits=0,
+                           return_lse=False, impl="auto"):
+    """Decode / chunked prefill against a KV cache (no autograd).
+
+    k_cache/v_cache: (B, capacity, Hkv, D) or, with ``page_table`` (B, max_pages) int32, paged
+    (num_pages, page_size, Hkv, D). ``k_new``/``v_new`` (B, S_new, Hkv, D) are written into the cache
+    at ``cache_seqlens`` (which is not advanced) and attended to, as in FlashAttention.
+    """
+    call = spec_mod.build_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+                                  k_new=k_new, v_new=v_new, causal=causal, window=window, softcap=softcap,
+                                  scale=scale, num_splits=num_splits, return_lse=return_lse)
+    with torch.no_grad():
+        out, lse = run_call(call, impl)
+    return (out, lse) if return_lse else out
+
+
+def _with_grad(spec, *ts):
+    from dataclasses import replace
+    return replace(spec, needs_grad=_needs_grad(*ts))
+
+
+def explain(q, k, v, *, varlen=None, kvcache=None, **kw) -> str:
+    """Say which implementation impl="auto" picks for this call and why the others cannot serve it.
+
+    Takes the same arguments as ``attention`` (or pass ``varlen=dict(cu_seqlens_q=..., ...)`` /
+    ``kvcache=dict(cache_seqlens=..., ...)`` for the other entry points).
+    """
+    kw.pop("impl", None)
+    if kvcache is not None:
+        call = spec_mod.build_kvcache(q, k, v, **kvcache, **kw)
+    elif varlen is not None:
+        call = spec_mod.build_varlen(q, k, v, **varlen, **kw)
+        call.spec = _with_grad(call.spec, q, k, v)
+    else:
+        call = spec_mod.build_dense(q, k, v, **kw)
+        call.spec = _with_grad(call.spec, q, k, v)
+    return dispatch.explain_spec(call.spec)

@@ -1,0 +1,121 @@
+"""Implementation registry, GPU arch detection and the choice that impl="auto" makes.
+
+An implementation is an object with
+
+* ``name``       e.g. "torch", "triton", "fast"
+* ``family``     one of FAMILIES; what users pass as ``impl=``
+* ``can_implement(spec) -> Optional[str]``: None when it can serve the call, else the reason
+* ``forward(call) -> (out, lse)``: ``out`` in the input dtype and layout of q (Dv last);
+  ``lse`` fp32, natural log, ``(B, Hq, Sq)``, or ``(Hq, total_q)`` for varlen
+* ``backward(call, out, lse, dout) -> (dq, dk, dv)`` (only asked when ``spec.needs_grad``)
+
+Several implementations may share a family (the fast family has one class per arch and
+direction); ``impl="fast"`` takes the first of its family that accepts the call.
+Implementations are picked up from here by the API, the CLI and the property tests alike.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+FAMILIES = ("fast", "triton", "torch")  # auto tries them in this order
+_REGISTRY: Dict[str, List[object]] = {f: [] for f in FAMILIES}
+_LOAD_ERRORS: Dict[str, str] = {}
+_LOADED = False
+
+# modules that register implementations when imported; a failed import is recorded, not fatal
+_PROVIDERS = {
+    "torch": "dualattn.reference.torch_impl",
+    "triton": "dualattn.reference.triton",
+    "fast": "dualattn.fast",
+}
+
+
+def register(impl) -> object:
+    fam = impl.family
+    if fam not in _REGISTRY:
+        raise ValueError(f"unknown implementation family {fam!r}")
+    if all(x.name != impl.name for x in _REGISTRY[fam]):
+        _REGISTRY[fam].append(impl)
+    return impl
+
+
+def _load() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for fam, mod in _PROVIDERS.items():
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # an optional backend that cannot load is reported by explain()
+            _LOAD_ERRORS[fam] = f"{type(e).__name__}: {e}"
+
+
+def implementations(family: Optional[str] = None) -> List[object]:
+    _load()
+    if family is None:
+        return [i for f in FAMILIES for i in _REGISTRY[f]]
+    return list(_REGISTRY[family])
+
+
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int = 0) -> Optional[int]:
+    """Compute capability as an int (90 for sm_90), None without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+def family_reasons(spec, family: str) -> Tuple[Optional[object], List[str]]:
+    """The first implementation of ``family`` that can serve ``spec``, and the reasons of the others."""
+    _load()
+    reasons = []
+    if not _REGISTRY[family]:
+        why = _LOAD_ERRORS.get(family, "no implementation registered")
+        return None, [f"{family}: not available ({why})"]
+    for impl in _REGISTRY[family]:
+        r = impl.can_implement(spec)
+        if r is None:
+            return impl, reasons
+        reasons.append(f"{impl.name}: {r}")
+    return None, reasons
+
+
+def select(spec, impl: str = "auto"):
+    """Return the implementation object for ``impl``; raise NotImplementedError when it cannot serve."""
+    if impl not in ("auto",) + FAMILIES:
+        raise ValueError(f"impl: must be one of 'auto', {', '.join(repr(f) for f in FAMILIES)}; got {impl!r}")
+    if impl != "auto":
+        chosen, reasons = family_reasons(spec, impl)
+        if chosen is None:
+            can = [f for f in FAMILIES if family_reasons(spec, f)[0] is not None]
+            raise NotImplementedError(
+                f"impl={impl!r} cannot serve this call ({spec.short()}): " + "; ".join(reasons)
+                + (f". Implementations that can: {', '.join(can)}" if can else ""))
+        return chosen
+    all_reasons = []
+    for fam in FAMILIES:
+        chosen, reasons = family_reasons(spec, fam)
+        if chosen is not None:
+            return chosen
+        all_reasons += reasons
+    raise NotImplementedError(f"no implementation can serve this call ({spec.short()}): " + "; ".join(all_reasons))
+
+
+def explain_spec(spec) -> str:
+    lines = [f"call: {spec.short()}"]
+    picked = None
+    for fam in FAMILIES:
+        chosen, reasons = family_reasons(spec, fam)
+        for r in reasons:
+            lines.append(f"  {fam:7s} no   {r}")
+        if chosen is not None:
+            mark = "<- auto picks this" if picked is None else ""
+            picked = picked or chosen
+            lines.append(f"  {fam:7s} yes  {chosen.name} {mark}".rstrip())
+    return "\n".join(lines)

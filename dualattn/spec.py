@@ -1,0 +1,406 @@
+"""The one validated description of an attention call.
+
+Every public entry point builds an :class:`AttentionCall` through :func:`build_dense`,
+:func:`build_varlen` or :func:`build_kvcache`. Those functions are the only place that checks
+user input; implementations receive the call and trust it.
+
+``AttentionCall.spec`` (an :class:`AttentionSpec`) is the static, hashable part: shapes that
+matter for code generation, dtypes, flags. ``AttentionCall`` also carries the tensors.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Optional, Tuple
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MIN_HEAD_DIM, MAX_HEAD_DIM, HEAD_DIM_MULTIPLE = 8, 256, 8
+
+# Value checks (monotone cu_seqlens, CSR order, page-table range ...) read device memory and
+# therefore synchronise. They run unless a CUDA graph is being captured, or the user opted out.
+_VALUE_CHECKS = os.environ.get("DUALATTN_VALUE_CHECKS", "1") != "0"
+
+
+def set_value_checks(enabled: bool) -> None:
+    """Turn the data-dependent input checks (which synchronise with the GPU) on or off."""
+    global _VALUE_CHECKS
+    _VALUE_CHECKS = bool(enabled)
+
+
+def value_checks_enabled() -> bool:
+    if not _VALUE_CHECKS:
+        return False
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    try:  # inside torch.compile tracing, tensors have no values to read
+        if torch.compiler.is_compiling():
+            return False
+    except AttributeError:  # pragma: no cover - old torch
+        pass
+    return True
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of a call: everything a kernel specialises on, nothing data-dependent."""
+
+    mode: str  # "batched" | "varlen" | "kvcache"
+    batch: int
+    seqlen_q: int  # Sq, or max_seqlen_q for varlen, or new query tokens for kvcache
+    seqlen_k: int  # Sk, or max_seqlen_k for varlen, or max visible keys for kvcache
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    device_type: str
+    causal: bool = False
+    window: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    scale: float = 1.0
+    num_key_ranges: int = 0  # R of key_ranges, 0 when absent
+    block_size: Optional[Tuple[int, int]] = None  # (block_m, block_n) of the BlockSparse, if any
+    deterministic: bool = False
+    return_lse: bool = False
+    # kv-cache only
+    paged: bool = False
+    page_size: int = 0
+    num_new_kv: int = 0
+    num_splits: int = 0
+    # autograd will ask for dQ, dK, dV (set by the public API from requires_grad)
+    needs_grad: bool = False
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def has_window(self) -> bool:
+        return self.window != (-1, -1)
+
+    @property
+    def has_key_ranges(self) -> bool:
+        return self.num_key_ranges > 0
+
+    @property
+    def has_block_sparse(self) -> bool:
+        return self.block_size is not None
+
+    @property
+    def has_element_mask(self) -> bool:
+        return self.causal or self.has_window or self.has_key_ranges
+
+    def features(self) -> frozenset:
+        """Names of what this call needs; implementations refuse by feature name."""
+        f = {self.mode, f"dtype:{str(self.dtype).replace('torch.', '')}"}
+        if self.num_heads_q != self.num_heads_kv:
+            f.add("gqa")
+        if self.causal:
+            f.add("causal")
+        if self.has_window:
+            f.add("window")
+        if self.softcap > 0:
+            f.add("softcap")
+        if self.has_key_ranges:
+            f.add("key_ranges")
+        if self.has_block_sparse:
+            f.add("block_sparse")
+        if self.deterministic:
+            f.add("deterministic")
+        if self.head_dim != self.head_dim_v:
+            f.add("dv_ne_d")
+        if self.paged:
+            f.add("paged")
+        if self.num_new_kv:
+            f.add("append_kv")
+        if self.needs_grad:
+            f.add("backward")
+        return frozenset(f)
+
+    def short(self) -> str:
+        parts = [f"{self.mode} b{self.batch} sq{self.seqlen_q} sk{self.seqlen_k}",
+                 f"h{self.num_heads_q}/{self.num_heads_kv} d{self.head_dim}"
+                 + (f"/{self.head_dim_v}" if self.head_dim_v != self.head_dim else ""),
+                 str(self.dtype).replace("torch.", "")]
+        parts += sorted(x for x in self.features() if ":" not in x and x != self.mode)
+        return " ".join(parts)
+
+
+@dataclass
+class AttentionCall:
+    """A validated call: the static spec plus its tensors."""
+
+    spec: AttentionSpec
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    key_ranges: Optional[torch.Tensor] = None
+    block_sparse: Optional[object] = None  # dualattn.sparse.BlockSparse
+    cache_seqlens: Optional[torch.Tensor] = None
+    page_table: Optional[torch.Tensor] = None
+    k_new: Optional[torch.Tensor] = None
+    v_new: Optional[torch.Tensor] = None
+    extra: dict = field(default_factory=dict)
+
+    def with_tensors(self, **kw) -> "AttentionCall":
+        return replace(self, **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# checks
+# --------------------------------------------------------------------------------------------
+
+def _err(arg: str, rule: str) -> ValueError:
+    return ValueError(f"{arg}: {rule}")
+
+
+def _check_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise _err(name, f"expected {ndim} dimensions, got shape {tuple(t.shape)}")
+
+
+def _check_qkv_dtypes_devices(q, k, v, names=("q", "k", "v")) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{names[0]}: dtype {q.dtype} not supported; use one of float16, bfloat16, float32")
+    for name, t in zip(names[1:], (k, v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from {names[0]}'s dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on device {t.device}, but {names[0]} is on {q.device}")
+
+
+def _check_head_dim(name: str, d: int) -> None:
+    if not (MIN_HEAD_DIM <= d <= MAX_HEAD_DIM and d % HEAD_DIM_MULTIPLE == 0):
+        raise _err(name, f"head dim {d} not supported; must be a multiple of {HEAD_DIM_MULTIPLE} "
+                         f"in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}]")
+
+
+def _check_heads(hq: int, hkv: int) -> None:
+    if hkv <= 0 or hq % hkv != 0:
+        raise _err("k", f"number of query heads ({hq}) must be a multiple of the number of key/value heads ({hkv})")
+
+
+def _check_scalars(causal, window, softcap, scale, head_dim):
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    if window is None:
+        window = (-1, -1)
+    if not (isinstance(window, (tuple, list)) and len(window) == 2):
+        raise TypeError("window: expected a pair (left, right)")
+    w = []
+    for x in window:
+        if x is None:
+            x = -1
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"window: entries must be int, got {window!r}")
+        if x < -1:
+            raise _err("window", f"entries must be -1 (unbounded) or >= 0, got {tuple(window)}")
+        w.append(int(x))
+    softcap = float(softcap or 0.0)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise _err("softcap", f"must be >= 0 (0 disables it), got {softcap}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise _err("scale", f"must be a positive finite number, got {scale}")
+    return tuple(w), softcap, scale
+
+
+def _check_cu_seqlens(name: str, cu, batch_plus_1: Optional[int], total: int, max_seqlen: int,
+                      max_name: str, device) -> int:
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise _err(name, f"must be 1-D of length batch+1 >= 2, got shape {tuple(cu.shape)}")
+    if batch_plus_1 is not None and cu.numel() != batch_plus_1:
+        raise _err(name, f"length {cu.numel()} differs from the other cu_seqlens' length {batch_plus_1}")
+    if cu.device != device:
+        raise ValueError(f"{name}: on device {cu.device}, but q is on {device}")
+    if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
+        raise TypeError(f"{max_name}: expected a non-negative int, got {max_seqlen!r}")
+    if value_checks_enabled():
+        c = cu.cpu()
+        if int(c[0]) != 0:
+            raise _err(name, f"must start at 0, got {int(c[0])}")
+        d = c[1:] - c[:-1]
+        if bool((d < 0).any()):
+            raise _err(name, "must be non-decreasing (monotone)")
+        if int(c[-1]) != total:
+            raise _err(name, f"last entry {int(c[-1])} must equal the number of packed tokens {total}")
+        if int(d.max()) > max_seqlen:
+            raise _err(max_name, f"{max_seqlen} is smaller than the longest sequence {int(d.max())}")
+    return cu.numel() - 1
+
+
+def _check_key_ranges(kr, batch: int, hq: int, sq_total: int, sk: int, varlen: bool, device):
+    if kr is None:
+        return 0
+    _check_tensor("key_ranges", kr, 5)
+    if kr.dtype != torch.int32:
+        raise TypeError(f"key_ranges: must be int32, got {kr.dtype}")
+    if kr.device != device:
+        raise ValueError(f"key_ranges: on device {kr.device}, but q is on {device}")
+    b, h, s, r, two = kr.shape
+    want_b = (1,) if varlen else (1, batch)
+    if b not in want_b or h not in (1, hq) or s != sq_total or two != 2 or r < 1:
+        lead = "1" if varlen else "B or 1"
+        raise _err("key_ranges", f"expected shape ({lead}, Hq or 1, {sq_total}, R>=1, 2), got {tuple(kr.shape)}")
+    if value_checks_enabled() and kr.numel():
+        lo, hi = kr[..., 0], kr[..., 1]
+        if bool((lo > hi).any()):
+            raise _err("key_ranges", "every interval needs lo <= hi")
+        if bool((lo < 0).any()) or bool((hi > sk).any()):
+            raise _err("key_ranges", f"interval ends must lie in [0, Sk={sk}]")
+    return r
+
+
+def _check_block_sparse(bs, batch: int, hq: int, sq: int, sk: int):
+    if bs is None:
+        return None
+    from .sparse import BlockSparse
+
+    if not isinstance(bs, BlockSparse):
+        raise TypeError(f"block_sparse: expected dualattn.BlockSparse, got {type(bs).__name__}")
+    bs.check_compatible(batch, hq, sq, sk, validate_values=value_checks_enabled())
+    return (bs.block_m, bs.block_n)
+
+
+# --------------------------------------------------------------------------------------------
+# builders
+# --------------------------------------------------------------------------------------------
+
+def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, key_ranges=None,
+                block_sparse=None, deterministic=False, return_lse=False) -> AttentionCall:
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(n, t, 4)
+    _check_qkv_dtypes_devices(q, k, v)
+    B, Sq, Hq, D = q.shape
+    Bk, Sk, Hkv, Dk = k.shape
+    if Bk != B:
+        raise _err("k", f"batch {Bk} differs from q's batch {B}")
+    if Dk != D:
+        raise _err("k", f"head dim {Dk} differs from q's head dim {D}")
+    if tuple(v.shape[:3]) != (B, Sk, Hkv):
+        raise _err("v", f"shape {tuple(v.shape)} must match k's (B, Sk, Hkv) = {(B, Sk, Hkv)}")
+    Dv = v.shape[3]
+    _check_heads(Hq, Hkv)
+    _check_head_dim("q", D)
+    _check_head_dim("v", Dv)
+    window, softcap, scale = _check_scalars(causal, window, softcap, scale, D)
+    r = _check_key_ranges(key_ranges, B, Hq, Sq, Sk, False, q.device)
+    bsz = _check_block_sparse(block_sparse, B, Hq, Sq, Sk)
+    spec = AttentionSpec("batched", B, Sq, Sk, Hq, Hkv, D, Dv, q.dtype, q.device.type, causal, window,
+                         softcap, scale, r, bsz, bool(deterministic), bool(return_lse))
+    return AttentionCall(spec, q, k, v, key_ranges=key_ranges, block_sparse=block_sparse)
+
+
+def build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
+                 window=(-1, -1), softcap=0.0, scale=None, key_ranges=None, block_sparse=None,
+                 deterministic=False, return_lse=False) -> AttentionCall:
+    for n, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(n, t, 3)
+    _check_qkv_dtypes_devices(q, k, v)
+    Tq, Hq, D = q.shape
+    Tk, Hkv, Dk = k.shape
+    if Dk != D:
+        raise _err("k", f"head dim {Dk} differs from q's head dim {D}")
+    if tuple(v.shape[:2]) != (Tk, Hkv):
+        raise _err("v", f"shape {tuple(v.shape)} must match k's (total_k, Hkv) = {(Tk, Hkv)}")
+    Dv = v.shape[2]
+    _check_heads(Hq, Hkv)
+    _check_head_dim("q", D)
+    _check_head_dim("v", Dv)
+    window, softcap, scale = _check_scalars(causal, window, softcap, scale, D)
+    B = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, Tq, max_seqlen_q, "max_seqlen_q", q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, B + 1, Tk, max_seqlen_k, "max_seqlen_k", q.device)
+    r = _check_key_ranges(key_ranges, B, Hq, Tq, max_seqlen_k, True, q.device)
+    bsz = _check_block_sparse(block_sparse, B, Hq, max_seqlen_q, max_seqlen_k)
+    spec = AttentionSpec("varlen", B, int(max_seqlen_q), int(max_seqlen_k), Hq, Hkv, D, Dv, q.dtype,
+                         q.device.type, causal, window, softcap, scale, r, bsz, bool(deterministic),
+                         bool(return_lse))
+    return AttentionCall(spec, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         key_ranges=key_ranges, block_sparse=block_sparse)
+
+
+def build_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k_new=None, v_new=None,
+                  causal=False, window=(-1, -1), softcap=0.0, scale=None, num_splits=0,
+                  return_lse=False) -> AttentionCall:
+    _check_tensor("q", q, 4)
+    _check_tensor("k_cache", k_cache, 4)
+    _check_tensor("v_cache", v_cache, 4)
+    _check_qkv_dtypes_devices(q, k_cache, v_cache, ("q", "k_cache", "v_cache"))
+    B, Sq, Hq, D = q.shape
+    Bc, cap, Hkv, Dk = k_cache.shape  # paged: (num_pages, page_size, Hkv, D)
+    if Dk != D:
+        raise _err("k_cache", f"head dim {Dk} differs from q's head dim {D}")
+    if tuple(v_cache.shape[:3]) != (Bc, cap, Hkv):
+        raise _err("v_cache", f"shape {tuple(v_cache.shape)} must match k_cache's first three dims {(Bc, cap, Hkv)}")
+    Dv = v_cache.shape[3]
+    _check_heads(Hq, Hkv)
+    _check_head_dim("q", D)
+    _check_head_dim("v_cache", Dv)
+    window, softcap, scale = _check_scalars(causal, window, softcap, scale, D)
+    if not isinstance(num_splits, int) or num_splits < 0:
+        raise _err("num_splits", f"must be an int >= 0 (0 = choose automatically), got {num_splits!r}")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: expected a torch.Tensor, got {type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype != torch.int32:
+        raise TypeError(f"cache_seqlens: must be int32, got {cache_seqlens.dtype}")
+    if tuple(cache_seqlens.shape) != (B,):
+        raise _err("cache_seqlens", f"expected shape ({B},), got {tuple(cache_seqlens.shape)}")
+    if cache_seqlens.device != q.device:
+        raise ValueError(f"cache_seqlens: on device {cache_seqlens.device}, but q is on {q.device}")
+    paged = page_table is not None
+    if paged:
+        _check_tensor("page_table", page_table, 2)
+        if page_table.dtype != torch.int32:
+            raise TypeError(f"page_table: must be int32, got {page_table.dtype}")
+        if page_table.shape[0] != B:
+            raise _err("page_table", f"first dim {page_table.shape[0]} must equal the batch {B}")
+        if page_table.device != q.device:
+            raise ValueError(f"page_table: on device {page_table.device}, but q is on {q.device}")
+        page_size = cap
+        capacity = page_table.shape[1] * page_size
+        num_pages = Bc
+    else:
+        if Bc != B:
+            raise _err("k_cache", f"batch {Bc} differs from q's batch {B}")
+        page_size, capacity, num_pages = 0, cap, 0
+    n_new = 0
+    if (k_new is None) != (v_new is None):
+        raise _err("k_new", "k_new and v_new must be given together")
+    if k_new is not None:
+        _check_tensor("k_new", k_new, 4)
+        _check_tensor("v_new", v_new, 4)
+        _check_qkv_dtypes_devices(q, k_new, v_new, ("q", "k_new", "v_new"))
+        if tuple(k_new.shape) != (B, k_new.shape[1], Hkv, D):
+            raise _err("k_new", f"expected shape ({B}, S_new, {Hkv}, {D}), got {tuple(k_new.shape)}")
+        if tuple(v_new.shape) != (B, k_new.shape[1], Hkv, Dv):
+            raise _err("v_new", f"expected shape ({B}, {k_new.shape[1]}, {Hkv}, {Dv}), got {tuple(v_new.shape)}")
+        n_new = k_new.shape[1]
+    if value_checks_enabled():
+        cs = cache_seqlens.cpu()
+        if B and bool((cs < 0).any()):
+            raise _err("cache_seqlens", "entries must be >= 0")
+        if B and int(cs.max()) + n_new > capacity:
+            raise _err("cache_seqlens", f"cache_seqlens ({int(cs.max())}) + new tokens ({n_new}) exceeds "
+                                        f"the cache capacity {capacity}")
+        if paged and page_table.numel():
+            pt = page_table.cpu()
+            if bool((pt < 0).any()) or bool((pt >= num_pages).any()):
+                raise _err("page_table", f"entries must lie in [0, num_pages={num_pages})")
+    spec = AttentionSpec("kvcache", B, Sq, capacity, Hq, Hkv, D, Dv, q.dtype, q.device.type, causal,
+                         window, softcap, scale, 0, None, False, bool(return_lse), paged, page_size,
+                         n_new, num_splits)
+    return AttentionCall(spec, q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+                         k_new=k_new, v_new=v_new)
