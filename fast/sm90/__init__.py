@@ -1,0 +1,160 @@
+"""Hopper (SM90) fast kernels; registers "fast-sm90" (forward) with dualattn.dispatch.
+
+``FastSm90Forward`` serves dense batched forward calls on sm_90: bf16/fp16, head dims 64, 96, 128,
+192, 256 (D == Dv), GQA/MQA, bottom-right causal, any sequence lengths. Everything else is refused
+in ``can_implement`` with the reason, so impl="auto" falls back.
+
+Compile cache: one compiled kernel per ``compile_key(spec)`` = (kernel name, dtype, D, Dv, causal,
+tile_m, tile_n, stages, pingpong, arch). Batch, sequence lengths and head counts are dynamic in
+the compiled code, so new shapes reuse the compiled kernel.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from dualattn import dispatch
+from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
+
+SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+# (tile_n, stages) per head dim; tile_m is 128 (two consumer warpgroups x 64 rows).
+# Sized so Q + stages * (K + V) fits the 227 KB of shared memory (see FlashFwdSm90.__init__).
+TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
+
+_TORCH_TO_CUTLASS = None
+
+
+def _cutlass_dtype(dtype: torch.dtype):
+    global _TORCH_TO_CUTLASS
+    if _TORCH_TO_CUTLASS is None:
+        import cutlass
+        _TORCH_TO_CUTLASS = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+    return _TORCH_TO_CUTLASS[dtype]
+
+
+class FastSm90Forward:
+    name = "fast-sm90"
+    family = "fast"
+
+    def __init__(self) -> None:
+        self.cache = CompileCache()
+
+    # -- what it serves ------------------------------------------------------------------------
+    def can_implement(self, spec) -> Optional[str]:
+        arch = dispatch.device_arch()
+        if arch != 90:
+            return f"needs an sm_90 GPU (found {'no CUDA GPU' if arch is None else f'sm_{arch}'})"
+        return self.can_implement_static(spec)
+
+    @staticmethod
+    def can_implement_static(spec) -> Optional[str]:
+        """The arch-independent part of can_implement (also used by the compile-only tests)."""
+        if spec.device_type != "cuda":
+            return "tensors are not on a CUDA device"
+        if spec.mode != "batched":
+            return f"mode {spec.mode!r} not supported (only dense batched calls; varlen/kvcache fall back)"
+        if spec.dtype not in (torch.float16, torch.bfloat16):
+            return f"dtype {spec.dtype} not supported (float16, bfloat16)"
+        if spec.head_dim != spec.head_dim_v:
+            return f"head dims q/k {spec.head_dim} != v {spec.head_dim_v} not supported"
+        if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head dim {spec.head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})"
+        if spec.needs_grad:
+            return "no SM90 backward kernel yet (forward only)"
+        if spec.has_window:
+            return "sliding windows not supported yet"
+        if spec.softcap > 0:
+            return "softcap not supported yet"
+        if spec.has_key_ranges:
+            return "key_ranges not supported yet"
+        if spec.has_block_sparse:
+            return "block-sparse not supported yet"
+        return None
+
+    # -- compile -------------------------------------------------------------------------------
+    @staticmethod
+    def config(spec) -> Tuple[int, int, int, bool]:
+        tile_n, stages = TILE_CONFIG[spec.head_dim]
+        return 128, tile_n, stages, True
+
+    def compile_key(self, spec, arch: int):
+        tile_m, tile_n, stages, pingpong = self.config(spec)
+        return ("sm90_fwd", str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
+                tile_m, tile_n, stages, pingpong, arch_string(arch))
+
+    def make_kernel(self, spec):
+        from .flash_fwd import FlashFwdSm90
+        _, tile_n, stages, pingpong = self.config(spec)
+        return FlashFwdSm90(_cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v,
+                            spec.causal, tile_n, stages, pingpong)
+
+    @staticmethod
+    def fake_args(spec):
+        """Shape-free stand-ins for compiling without tensors (dynamic B, S, H; static D)."""
+        import cutlass
+        import cutlass.cute as cute
+
+        dt = _cutlass_dtype(spec.dtype)
+
+        def t4(d, dtype=dt):
+            stride = (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1)
+            shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int())
+            return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
+
+        lse = cute.runtime.make_fake_tensor(
+            cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
+            stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+        return (t4(spec.head_dim), t4(spec.head_dim), t4(spec.head_dim_v), t4(spec.head_dim_v),
+                lse, cutlass.Float32(1.0), cute.runtime.make_fake_stream())
+
+    def compile_only(self, spec, arch: int = 90, keep_ptx: bool = True):
+        """Trace and assemble for ``arch`` without a GPU; returns the compiled object."""
+        import cutlass.cute as cute
+        opts = f"--gpu-arch {arch_string(arch)}" + (" --keep-ptx" if keep_ptx else "")
+        return cute.compile(self.make_kernel(spec), *self.fake_args(spec), options=opts)
+
+    # -- run -----------------------------------------------------------------------------------
+    @staticmethod
+    def _prep(t: torch.Tensor) -> torch.Tensor:
+        # TMA needs a unit-stride head dim, 16-byte aligned strides and base
+        ok = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+              and t.data_ptr() % 16 == 0)
+        return t if ok else t.contiguous()
+
+    def forward(self, call):
+        import cutlass
+        import cuda.bindings.driver as cuda
+        from cutlass.cute.runtime import from_dlpack
+
+        spec = call.spec
+        q, k, v = (self._prep(x) for x in (call.q, call.k, call.v))
+        B, Sq, Hq, _ = q.shape
+        out = torch.empty((B, Sq, Hq, spec.head_dim_v), dtype=q.dtype, device=q.device)
+        lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+        if out.numel() == 0:
+            return out, lse.fill_(-math.inf)
+        if k.shape[1] == 0:  # no keys at all: every row is fully masked
+            return out.zero_(), lse.fill_(-math.inf)
+
+        def cute_t(x, align):
+            return from_dlpack(x.detach(), assumed_align=align).mark_layout_dynamic(
+                leading_dim=x.dim() - 1)
+
+        args = (cute_t(q, 16), cute_t(k, 16), cute_t(v, 16), cute_t(out, 16), cute_t(lse, 4),
+                cutlass.Float32(spec.scale * math.log2(math.e)),
+                cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
+        arch = target_arch(dispatch.device_arch(q.device.index or 0))
+        key = self.compile_key(spec, arch)
+        import cutlass.cute as cute
+        fn = self.cache.get(key, lambda: cute.compile(self.make_kernel(spec), *args))
+        fn(*args)
+        return out, lse
+
+    def backward(self, call, out, lse, dout):
+        raise NotImplementedError("fast-sm90 has no backward kernel; can_implement refuses needs_grad")
+
+
+FORWARD = dispatch.register(FastSm90Forward())

@@ -1,0 +1,460 @@
+"""Hopper (SM90) attention forward in the CuTe DSL: TMA + WGMMA, warp-specialized.
+
+One CTA computes a (tile_m = 128) x Dv block of O for one (query block, query head, batch):
+
+* warpgroup 0 is the producer: after giving registers back (setmaxnreg.dec), its warp 0 issues
+  the TMA loads of Q (once) and of K and V (one tile_n x D block per stage) into a multi-stage
+  shared-memory ring guarded by mbarriers (full: TMA transaction bytes, empty: one arrive per
+  consumer warp);
+* warpgroups 1 and 2 are the consumers (setmaxnreg.inc); each owns 64 rows of the query block and
+  runs, per key block, S = Q K^T (WGMMA, both operands in shared memory), the mask, the online
+  softmax in registers (exp2, scale folded into the exponent) and O += P V (WGMMA with P taken
+  from registers). A pair of named barriers orders the two warpgroups' Q K^T issue (ping-pong), so
+  one warpgroup's softmax runs while the other's GEMMs use the tensor cores;
+* the epilogue normalises O, writes LSE (natural log) from registers, stages O in shared memory
+  (reusing Q's buffer) and stores it with one TMA store, which clips the tail rows.
+
+Key blocks are visited from the last to the first, so the blocks that need masking (the
+sequence tail and, for causal, the diagonal) come first and the rest run without mask arithmetic.
+Bottom-right causal blocks past the diagonal are never loaded. A query tile whose rows see no key
+writes O = 0 and LSE = -inf.
+
+GQA: the kernel maps query head h to KV head h // (Hq // Hkv) when it builds the K/V views.
+Sequence lengths, batch and head counts are dynamic (one compile serves every shape).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass import pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.utils import LayoutEnum
+
+from dualattn.fast.common.sm90_pipeline import (
+    check_pipeline_config,
+    check_smem_budget,
+)
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# Named barrier ids (0 is __syncthreads).
+_BAR_EPILOGUE = 1     # the 256 consumer threads, around the O staging in shared memory
+_BAR_WG_SCHED = 2     # 2 and 3: ping-pong order of the two consumer warpgroups
+
+
+def _select(t: cute.Tensor, modes) -> cute.Tensor:
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+def _acc_mn_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """WGMMA accumulator ((2, 2, N/8), MMA_M, MMA_N) -> ((2, MMA_M), (2, N/8, MMA_N)) = (rows, cols)."""
+    cm = cute.make_layout(acc_layout.shape)
+    shape = ((cm.shape[0][1], cm.shape[1]), (cm.shape[0][0], cm.shape[0][2], cm.shape[2]))
+    stride = ((cm.stride[0][1], cm.stride[1]), (cm.stride[0][0], cm.stride[0][2], cm.stride[2]))
+    return cute.composition(acc_layout, cute.make_layout(shape, stride=stride))
+
+
+def _acc_as_frg_a_layout(acc_layout: cute.Layout) -> cute.Layout:
+    """View a 16-bit WGMMA accumulator ((2, 2, N/8), 1, 1) as an A operand ((2, 2, 2), 1, N/16).
+
+    Register order coincides: accumulator value (c, r, j) of column 8j + 2t + c is A value
+    (c, r, j % 2) of k-block j // 2, so the P -> A conversion is a pure relabelling.
+    """
+    n8 = acc_layout.shape[0][2]
+    assert n8 % 2 == 0, "tile_n must be a multiple of 16"
+    cm = cute.make_layout(acc_layout.shape)
+    view = cute.make_layout(((2, 2, 2), 1, n8 // 2), stride=((1, 2, 4), 0, 8))
+    return cute.composition(acc_layout, cute.composition(cm, view))
+
+
+class FlashFwdSm90:
+    """Forward kernel for one static configuration (see fast/sm90/__init__ for the cache key)."""
+
+    arch = "sm_90a"
+    num_threads_per_wg = 128
+    num_mma_wg = 2
+    tile_m = 128
+    num_producer_regs = 24
+    num_mma_regs = 240
+
+    def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
+                 num_stages: int, pingpong: bool = True):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim_v
+        self.causal = causal
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.pingpong = pingpong
+        self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
+        # trace-time checks of the static configuration (raise before any code is generated)
+        assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
+        self.smem_bytes = check_smem_budget(
+            {
+                "Q/O": self.tile_m * max(head_dim, head_dim_v) * dtype.width // 8,
+                "K": num_stages * tile_n * head_dim * dtype.width // 8,
+                "V": num_stages * tile_n * head_dim_v * dtype.width // 8,
+            },
+            num_mbarriers=2 * (1 + 2 * num_stages),
+            arch=self.arch,
+        )
+        assert self.num_mma_regs * self.num_mma_wg * 128 + self.num_producer_regs * 128 <= 65536
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+        """mQ/mO (B, Sq, Hq, D[v]), mK/mV (B, Sk, Hkv, D[v]), mLSE (B, Hq, Sq) fp32."""
+        if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
+                      or mV.element_type != self.dtype or mO.element_type != self.dtype):
+            raise TypeError("q, k, v, o must all have the kernel's dtype")
+        # (S, D, H, B) views: the sequence is the TMA row mode, the head dim is contiguous
+        mQ, mK, mV, mO = [_select(t, [1, 3, 2, 0]) for t in (mQ, mK, mV, mO)]
+        mLSE = _select(mLSE, [2, 1, 0])  # (Sq, Hq, B)
+
+        D, Dv, BM, BN = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN))
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, Dv),
+            a_source=warpgroup.OperandSource.RMEM)
+
+        sQ_layout = self._smem_layout((BM, D), None)
+        sK_layout = self._smem_layout((BN, D), self.num_stages)
+        sV_layout = self._smem_layout((BN, Dv), self.num_stages)
+        sO_layout = self._smem_layout((BM, Dv), None)
+
+        tma_load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (BM, D))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (BN, D), 1)
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
+            tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (BN, Dv), 1)
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (BM, Dv))
+
+        self.tx_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
+        self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
+        check_pipeline_config(
+            "Q", self.tx_bytes_q, (BM, D), self.dtype.width, 1, producer_arrivals=1,
+            consumer_arrivals=self.num_mma_wg * 4)
+        check_pipeline_config(
+            "K", self.tx_bytes_k, (BN, D), self.dtype.width, self.num_stages,
+            producer_arrivals=1, consumer_arrivals=self.num_mma_wg * 4)
+        check_pipeline_config(
+            "V", self.tx_bytes_v, (BN, Dv), self.dtype.width, self.num_stages,
+            producer_arrivals=1, consumer_arrivals=self.num_mma_wg * 4)
+
+        cosize_qo = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_qo], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
+
+        self.shared_storage = SharedStorage
+        check_smem_budget({"total": SharedStorage.size_in_bytes()}, 0, self.arch)
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], BM)
+        grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
+            softmax_scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
+            tiled_mma_qk, tiled_mma_pv,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+                 smem=SharedStorage.size_in_bytes())
+
+    def _smem_layout(self, shape, stages):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, shape[1]), self.dtype)
+        if stages is None:
+            return cute.tile_to_shape(atom, shape, order=(0, 1))
+        return cute.tile_to_shape(atom, (*shape, stages), order=(0, 1, 2))
+
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_K: cute.CopyAtom,
+               mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
+               tma_atom_O: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
+               softmax_scale_log2: Float32, sQ_layout: cute.ComposedLayout,
+               sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
+               sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
+               tiled_mma_pv: cute.TiledMma):
+        BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head_idx, batch_idx = cute.arch.block_idx()
+
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+
+        producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync releases with one elected thread per warp: count consumer warps
+        consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer_group,
+            consumer_group=consumer_group, tx_count=self.tx_bytes_q, defer_sync=True)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer_group, consumer_group=consumer_group,
+            tx_count=self.tx_bytes_k, defer_sync=True)
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
+            producer_group=producer_group, consumer_group=consumer_group,
+            tx_count=self.tx_bytes_v, defer_sync=True)
+        # barrier init must be visible to every thread (and to the async proxy) before use
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        # V^T view (Dv, BN, stages) for the B operand of O += P V
+        sVt = cute.composition(
+            sV, cute.make_ordered_layout((Dv, BN, self.num_stages), order=(1, 0, 2)))
+
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        num_m_blocks = cute.ceil_div(seqlen_q, BM)
+        # causal: heaviest query blocks first (the grid launches low block ids first)
+        m_block = bidx
+        if const_expr(self.causal):
+            m_block = num_m_blocks - 1 - bidx
+        head_kv = head_idx // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
+        n_block_max = cute.ceil_div(seqlen_k, BN)
+        if const_expr(self.causal):
+            # last visible key of the tile's last row: (m_block+1)*BM - 1 + Sk - Sq
+            n_block_max = cutlass.min(
+                n_block_max,
+                cute.ceil_div(cutlass.max((m_block + 1) * BM + seqlen_k - seqlen_q, 0), BN))
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.num_producer_regs)
+            if warp_idx == 0:
+                self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                             pipe_q, pipe_k, pipe_v, m_block, head_idx, head_kv, batch_idx,
+                             n_block_max)
+        else:
+            cute.arch.setmaxregister_increase(self.num_mma_regs)
+            self.consume(tma_atom_O, mO, mLSE, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
+                         tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128, m_block,
+                         head_idx, batch_idx, n_block_max, seqlen_q, seqlen_k)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
+                pipe_q, pipe_k, pipe_v, m_block, head_idx, head_kv, batch_idx, n_block_max):
+        BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for i in cutlass.range(n_block_max, unroll=1):
+            n_block = n_block_max - 1 - i
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def consume(self, tma_atom_O, mO, mLSE, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
+                tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx, m_block, head_idx,
+                batch_idx, n_block_max, seqlen_q, seqlen_k):
+        BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_slice_qk = tiled_mma_qk.get_slice(wg * 128)
+        wg_slice_pv = tiled_mma_pv.get_slice(wg * 128)
+        thr_mma_qk = tiled_mma_qk.get_slice(tidx)
+        thr_mma_pv = tiled_mma_pv.get_slice(tidx)
+
+        tSrQ = wg_slice_qk.make_fragment_A(wg_slice_qk.partition_A(sQ))        # (MMA, 1, D/16)
+        tSrK = wg_slice_qk.make_fragment_B(wg_slice_qk.partition_B(sK))        # (MMA, 1, D/16, st)
+        tOrVt = wg_slice_pv.make_fragment_B(wg_slice_pv.partition_B(sVt))      # (MMA, 1, BN/16, st)
+        acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((BM, Dv)), Float32)
+        acc_O.fill(0.0)
+        acc_O_mn = cute.make_tensor(acc_O.iterator, _acc_mn_layout(acc_O.layout))
+
+        # element coordinates of this thread's accumulator entries, (row, col) within the tile
+        cS = cute.make_identity_tensor((BM, BN))
+        tScS = thr_mma_qk.partition_C(cS)
+        tScS_mn = cute.make_tensor(tScS.iterator, _acc_mn_layout(tScS.layout))
+        num_rows = cute.size(tScS_mn, mode=[0])
+        num_cols = cute.size(tScS_mn, mode=[1])
+
+        row_max = cute.make_rmem_tensor((num_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+
+        # ping-pong: warpgroup 0 goes first
+        if const_expr(self.pingpong):
+            if wg == 0:
+                cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED, number_of_threads=256)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        # blocks that need the element mask: the sequence tail and, for causal, the diagonal
+        n_masked = 1
+        if const_expr(self.causal):
+            # first block (from the right) fully visible to the tile's first row
+            first_row_limit = m_block * BM + seqlen_k - seqlen_q + 1  # keys < this are visible
+            n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
+            n_masked = cutlass.max(n_block_max - n_block_unmasked_end, 1)
+        n_masked = cutlass.min(n_masked, n_block_max)
+        for i in cutlass.range(n_masked, unroll=1):
+            kv_state = self.one_block(
+                True, n_block_max - 1 - i, kv_state, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
+                thr_mma_qk, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max, row_sum,
+                softmax_scale_log2, m_block, seqlen_q, seqlen_k, num_rows, num_cols, wg)
+        for i in cutlass.range(n_block_max - n_masked, unroll=1):
+            kv_state = self.one_block(
+                False, n_block_max - n_masked - 1 - i, kv_state, pipe_k, pipe_v, tiled_mma_qk,
+                tiled_mma_pv, thr_mma_qk, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
+                row_sum, softmax_scale_log2, m_block, seqlen_q, seqlen_k, num_rows, num_cols, wg)
+
+        # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
+        lse = cute.make_rmem_tensor((num_rows,), Float32)
+        for r in cutlass.range_constexpr(num_rows):
+            s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            inv = Float32(0.0)
+            lse[r] = -Float32.inf
+            if s > 0.0:
+                inv = cute.arch.rcp_approx(s)
+                lse[r] = (row_max[r] * softmax_scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+
+        # LSE: the first thread of each quad owns its two rows
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(num_rows):
+                row = m_block * BM + tScS_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head_idx, batch_idx] = lse[r]
+
+        # ---- O: registers -> shared (Q's buffer, free once both warpgroups' GEMMs are done)
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                        num_bits_per_copy=2 * self.dtype.width)
+        smem_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv)
+        thr_copy_O = smem_copy_O.get_slice(tidx)
+        cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+        if tidx < 32:
+            gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2),
+                                               cute.group_modes(gO, 0, 2))
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def one_block(self, masked: cutlass.Constexpr, n_block, kv_state, pipe_k, pipe_v,
+                  tiled_mma_qk, tiled_mma_pv, thr_mma_qk, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn,
+                  tScS_mn, row_max, row_sum, softmax_scale_log2, m_block, seqlen_q, seqlen_k,
+                  num_rows: cutlass.Constexpr, num_cols: cutlass.Constexpr, wg):
+        BM, BN = self.tile_m, self.tile_n
+        acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((BM, BN)), Float32)
+        pipe_k.consumer_wait(kv_state)
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_BAR_WG_SCHED + wg, number_of_threads=256)
+        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True)
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED + 1 - wg, number_of_threads=256)
+        warpgroup.wait_group(0)
+        pipe_k.consumer_release(kv_state)
+
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
+        if const_expr(masked):
+            # key j visible to query i iff j < seqlen_k and (causal) j <= i + seqlen_k - seqlen_q
+            col0 = n_block * BN
+            for r in cutlass.range_constexpr(num_rows):
+                limit = seqlen_k - col0
+                if const_expr(self.causal):
+                    row = m_block * BM + tScS_mn[r, 0][0]
+                    limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - col0)
+                for c in cutlass.range_constexpr(num_cols):
+                    if tScS_mn[0, c][1] >= limit:
+                        acc_S_mn[r, c] = -Float32.inf
+
+        # online softmax, one pass per row; the quad of threads sharing a row reduces by shuffle
+        for r in cutlass.range_constexpr(num_rows):
+            m_old = row_max[r]
+            m = m_old
+            for c in cutlass.range_constexpr(num_cols):
+                m = cute.arch.fmax(m, acc_S_mn[r, c])
+            m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+            row_max[r] = m
+            # a row that has seen no key keeps max -inf; use 0 so exp2 gives 0, not NaN
+            m_scaled = m * softmax_scale_log2
+            if m == -Float32.inf:
+                m_scaled = Float32(0.0)
+            corr = cute.math.exp2(m_old * softmax_scale_log2 - m_scaled, fastmath=True)
+            s = Float32(0.0)
+            for c in cutlass.range_constexpr(num_cols):
+                p = cute.math.exp2(acc_S_mn[r, c] * softmax_scale_log2 - m_scaled, fastmath=True)
+                acc_S_mn[r, c] = p
+                s += p
+            row_sum[r] = row_sum[r] * corr + s
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * corr
+
+        tOrP = cute.make_rmem_tensor_like(
+            cute.make_tensor(acc_S.iterator, _acc_as_frg_a_layout(acc_S.layout)), self.dtype)
+        tOrP.store(cute.make_tensor(acc_S.iterator, _acc_as_frg_a_layout(acc_S.layout))
+                   .load().to(self.dtype))
+        pipe_v.consumer_wait(kv_state)
+        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def gemm(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
+            cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
