@@ -1,0 +1,71 @@
+"""The tile table: the whole autotuning space of the Triton kernels, written down.
+
+One entry per (kernel, head-dim bucket): (block_m, block_n, num_warps, num_stages). The entries
+were picked on an H100 among a handful of candidates per bucket (BLOCK_M in {64, 128}, BLOCK_N in
+{32, 64, 128}, 4 or 8 warps, 2-4 stages), measured with the side-by-side benchmark. An entry can
+be overridden for experiments with ``DUALATTN_TRITON_TILE_<KERNEL>="bm,bn,warps,stages"``
+(KERNEL: FWD, DKDV, DQ, DECODE).
+
+Meaning of block_m / block_n per kernel:
+  fwd, dq  : tile of block_m query rows, visiting key blocks of block_n
+  dkdv     : tile of block_n keys, visiting query blocks of block_m
+  decode   : block_m packed (token, query head) rows, key blocks of block_n (block_m is chosen
+             from the number of packed rows; block_n must divide the page size)
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from .common import interpreting
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+# head dim bucket -> Tile, for fp16/bf16 on the GPU
+_TABLE = {
+    "fwd": {64: Tile(128, 64, 4, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 64, 4, 2)},
+    "dkdv": {64: Tile(32, 128, 4, 3), 128: Tile(32, 128, 8, 2), 256: Tile(32, 64, 4, 1)},
+    "dq": {64: Tile(128, 32, 4, 3), 128: Tile(128, 32, 8, 2), 256: Tile(64, 32, 4, 1)},
+    "decode": {64: Tile(16, 64, 4, 3), 128: Tile(16, 64, 4, 3), 256: Tile(16, 32, 4, 2)},
+}
+# fp32 inputs take exact (ieee) products and twice the bytes: small tiles, fewer stages
+_TABLE_FP32 = {"fwd": Tile(64, 32, 4, 2), "dkdv": Tile(32, 32, 4, 1), "dq": Tile(32, 32, 4, 1),
+               "decode": Tile(16, 32, 4, 2)}
+# the CPU interpreter: cost grows with the number of programs and loop trips, not tile size
+_INTERPRETER = Tile(32, 32, 1, 1)
+
+
+def _lowbit(x: int) -> int:
+    return x & -x
+
+
+def tile_for(kernel: str, head_dim: int, dtype: torch.dtype, block_size=None, page_size: int = 0,
+             packed_rows: int = 0) -> Tile:
+    env = os.environ.get(f"DUALATTN_TRITON_TILE_{kernel.upper()}")
+    if env:
+        t = Tile(*[int(x) for x in env.split(",")])
+    elif interpreting():
+        t = _INTERPRETER
+    elif dtype == torch.float32:
+        t = _TABLE_FP32[kernel]
+    else:
+        bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+        t = _TABLE[kernel][bucket]
+    if block_size is not None:  # a block-sparse tile must divide the CSR's blocks
+        t = replace(t, block_m=min(t.block_m, _lowbit(block_size[0])), block_n=min(t.block_n, _lowbit(block_size[1])))
+    if kernel == "decode":
+        bm = min(64, max(16, 1 << max(packed_rows - 1, 0).bit_length()))
+        bn = t.block_n
+        while page_size and page_size % bn:
+            bn //= 2
+        t = replace(t, block_m=bm, block_n=bn)
+    return t
