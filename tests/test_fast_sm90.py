@@ -1,0 +1,133 @@
+"""GPU tests of the Hopper forward kernel (fast-sm90) against the torch oracle.
+
+Every case runs in one worker subprocess under a wall-clock timeout, so a deadlocked kernel fails
+the tests instead of stalling the run. For each case the worker:
+
+* fills the output and LSE buffers with NaN before the launch (poisoned outputs: a tile that is
+  never written shows up as NaN),
+* checks O and LSE with the accuracy rule (dualattn.accuracy.check_outputs),
+* runs the kernel a second time and requires bitwise-identical O and LSE.
+
+The tests are marked ``gpu`` and skip with "needs CUDA" on machines without a GPU (CI), and with
+"needs an sm_90 GPU" on other GPUs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+WORKER_TIMEOUT_S = int(os.environ.get("DUALATTN_SM90_TEST_TIMEOUT", "600"))
+
+# (name, B, Sq, Sk, Hq, Hkv, D, dtype, causal)
+CASES = []
+
+
+def _case(name, B, Sq, Sk, Hq, Hkv, D, dtype="bfloat16", causal=False):
+    CASES.append((f"{name}-{dtype}-d{D}{'-causal' if causal else ''}", B, Sq, Sk, Hq, Hkv, D, dtype, causal))
+
+
+for _d in (64, 128, 96, 192, 256):
+    for _c in (False, True):
+        _case("dense", 2, 1024, 1024, 4, 4, _d, "bfloat16", _c)
+        _case("odd", 2, 113, 203, 4, 2, _d, "bfloat16", _c)
+for _c in (False, True):
+    for _d in (64, 128):
+        _case("dense", 1, 512, 512, 4, 4, _d, "float16", _c)
+        _case("len1", 1, 1, 1, 2, 2, _d, "bfloat16", _c)
+        _case("q239k1", 1, 239, 1, 2, 1, _d, "bfloat16", _c)    # causal: most rows see no key
+        _case("q1k239", 1, 1, 239, 2, 1, _d, "bfloat16", _c)
+        _case("q203k113", 2, 203, 113, 4, 4, _d, "bfloat16", _c)  # causal: fully masked rows
+    _case("long", 1, 4224, 4224, 2, 2, 128, "bfloat16", _c)
+    for _hkv in (1, 2, 4, 8):  # GQA ratios 8, 4, 2, 1
+        _case(f"gqa8to{_hkv}", 2, 300, 300, 8, _hkv, 128, "bfloat16", _c)
+    _case("gqa6to2", 1, 257, 129, 6, 2, 64, "bfloat16", _c)   # ratio 3
+    _case("gqa7to1", 1, 130, 400, 7, 1, 128, "bfloat16", _c)  # ratio 7
+
+
+def _run_worker(out_path: str) -> None:
+    """Run every case, one JSON line per case on stdout (flushed, so a hang keeps earlier lines)."""
+    from dualattn.accuracy import check_outputs
+    from dualattn.dispatch import select
+    from dualattn.spec import build_dense
+
+    torch.manual_seed(0)
+    with open(out_path, "w") as f:
+        for name, B, Sq, Sk, Hq, Hkv, D, dtype, causal in CASES:
+            dt = getattr(torch, dtype)
+            rec = {"name": name}
+            try:
+                q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dt)
+                k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
+                v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
+                call = build_dense(q, k, v, causal=causal, return_lse=True)
+                impl = select(call.spec, "fast")
+                rec["impl"] = impl.name
+                outs = []
+                for _ in range(2):
+                    call.extra["out"] = torch.full((B, Sq, Hq, D), float("nan"), device="cuda", dtype=dt)
+                    call.extra["lse"] = torch.full((B, Hq, Sq), float("nan"), device="cuda")
+                    o, lse = impl.forward(call)
+                    torch.cuda.synchronize()
+                    outs.append((o.clone(), lse.clone()))
+                checks = check_outputs(call, outs[0][0], outs[0][1])
+                rec["checks"] = [str(c) for c in checks]
+                rec["ok"] = all(c.ok for c in checks)
+                rec["bitwise"] = bool(torch.equal(outs[0][0], outs[1][0])
+                                      and torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num()))
+            except Exception as e:  # reported per case; the next case still runs
+                rec["error"] = f"{type(e).__name__}: {e}"
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+
+
+def _gpu_skip_reason():
+    if not torch.cuda.is_available():
+        return "needs CUDA"
+    major, minor = torch.cuda.get_device_capability()
+    if major * 10 + minor != 90:
+        return f"needs an sm_90 GPU (found sm_{major}{minor})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    reason = _gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    path = str(tmp_path_factory.mktemp("sm90") / "results.jsonl")
+    timed_out = False
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--worker", path], timeout=WORKER_TIMEOUT_S,
+                              capture_output=True, text=True)
+        tail = (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        timed_out, tail = True, ""
+    res = {}
+    if os.path.exists(path):
+        for line in open(path):
+            r = json.loads(line)
+            res[r["name"]] = r
+    return res, timed_out, tail
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_forward_matches_oracle(results, case):
+    res, timed_out, tail = results
+    name = case[0]
+    if name not in res:
+        pytest.fail(f"{name}: no result ({'worker timed out: hang?' if timed_out else 'worker died'}) {tail}")
+    r = res[name]
+    assert "error" not in r, r["error"]
+    assert r["impl"] == "fast-sm90", f"dispatcher picked {r['impl']}"
+    assert r["ok"], "; ".join(r["checks"])
+    assert r["bitwise"], "two runs gave different bits"
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
+    _run_worker(sys.argv[2])
