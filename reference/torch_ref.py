@@ -56,7 +56,10 @@ def _attend_rows(q, k, v, rows, *, seqlen_q, seqlen_k, spec, key_ranges, states,
     vis = vis.expand(Hq, rows.numel(), seqlen_k)
     s = s.masked_fill(~vis, float("-inf"))
     # the max is only a shift; detaching it keeps the gradient exact and NaN-free on empty rows
-    m = s.detach().amax(dim=-1, keepdim=True)
+    if seqlen_k == 0:
+        m = s.new_zeros(s.shape[:-1] + (1,))
+    else:
+        m = s.detach().amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
     l = p.sum(dim=-1, keepdim=True)

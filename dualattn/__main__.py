@@ -1,0 +1,185 @@
+"""python -m dualattn {check, diff, bench, fuzz, info}
+
+check   the main job: every variant with every implementation this machine can run, against the
+        torch oracle under the accuracy rule; a table; exit code 1 on any failure.
+        Without a GPU the Triton kernels run under the Triton interpreter, on small shapes.
+diff    replay a repro file (written by check mode, compare or the property tests).
+bench   side-by-side benchmark with the peers (needs CUDA); see dualattn.bench.
+fuzz    the Hypothesis property campaign (pytest props/) with a profile.
+info    GPU, arch, and which implementation serves which feature.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+
+def _prepare_triton_env() -> None:
+    # Without a GPU, Triton kernels can still run in the interpreter; it must be chosen before
+    # triton is imported.
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _progress(i: int, n: int, label: str) -> None:
+    if not sys.stderr.isatty() and os.environ.get("DUALATTN_PROGRESS", "1") == "0":
+        return
+    width = 24
+    done = int(width * i / max(n, 1))
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label[:48]:<48}")
+    if i == n:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def cmd_check(args) -> int:
+    _prepare_triton_env()
+    import torch
+
+    from . import accuracy, cases, dispatch
+
+    gpu = torch.cuda.is_available()
+    device = "cuda" if gpu else "cpu"
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")] if args.dtypes else (
+        [torch.bfloat16, torch.float16] if gpu else [torch.float16, torch.float32])
+    large = gpu and not args.small
+    families = args.impls.split(",") if args.impls else [f for f in dispatch.FAMILIES]
+    selected = [c for c in cases.CASES if not args.filter or args.filter.lower() in c.name.lower()]
+    work = [(c, dt) for c in selected for dt in dtypes]
+    rows, failures = [], 0
+    for i, (case, dt) in enumerate(work):
+        _progress(i, len(work), f"{case.name} {str(dt)[6:]}")
+        call = cases.make_call(case, device, dt, large, seed=args.seed, backward=not args.no_backward)
+        dout = None
+        if call.spec.needs_grad:
+            gen = torch.Generator(device="cpu").manual_seed(args.seed + 1)
+            dout = torch.randn(call.q.shape[:-1] + (call.v.shape[-1],), generator=gen).to(device, dt)
+        refs = accuracy.reference_pair(call, dout)
+        for fam in families:
+            impl, reasons = dispatch.family_reasons(call.spec, fam)
+            if impl is None:
+                # a fam that cannot take the backward may still take the forward
+                if call.spec.needs_grad:
+                    from dataclasses import replace
+                    impl, _ = dispatch.family_reasons(replace(call.spec, needs_grad=False), fam)
+                if impl is None:
+                    rows.append((case.name, str(dt)[6:], fam, "n/a", "; ".join(reasons)[:70], ""))
+                    continue
+            fwd_only = call.spec.needs_grad and impl.can_implement(call.spec) is not None
+            try:
+                c2 = call
+                if fwd_only:
+                    from dataclasses import replace
+                    c2 = replace(call, spec=replace(call.spec, needs_grad=False))
+                t0 = time.perf_counter()
+                out, lse = impl.forward(c2)
+                grads = (None, None, None)
+                if c2.spec.needs_grad:
+                    grads = impl.backward(c2, out, lse, dout)
+                if gpu:
+                    torch.cuda.synchronize()
+                ms = (time.perf_counter() - t0) * 1e3
+                checks = accuracy.check_outputs(c2, out, lse, *grads, dout=dout, refs=refs)
+                ok = all(c.ok for c in checks)
+                worst = max(checks, key=lambda c: (c.err / c.bound) if c.bound > 0 else (0 if c.err == 0 else float("inf")))
+                detail = f"{worst.name} {worst.err:.2e} <= {worst.bound:.2e}" if ok else "; ".join(str(c) for c in checks if not c.ok)
+                if fwd_only:
+                    detail += " (fwd only)"
+                rows.append((case.name, str(dt)[6:], impl.name, "PASS" if ok else "FAIL", detail, f"{ms:.1f}"))
+                failures += 0 if ok else 1
+            except Exception as e:  # a crash is a failure of that cell, reported, not hidden
+                rows.append((case.name, str(dt)[6:], impl.name, "FAIL", f"{type(e).__name__}: {e}"[:100], ""))
+                failures += 1
+    _progress(len(work), len(work), "done")
+    header = ("variant", "dtype", "impl", "result", "error vs bound", "ms")
+    widths = [max(len(str(r[j])) for r in rows + [header]) for j in range(6)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    print(fmt.format(*header))
+    for r in rows:
+        print(fmt.format(*r))
+    ran = sum(1 for r in rows if r[3] in ("PASS", "FAIL"))
+    print(f"\n{ran - failures} passed, {failures} failed ({'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU'}; "
+          f"{'large' if large else 'small'} shapes)")
+    return 1 if failures else 0
+
+
+def cmd_info(args) -> int:
+    _prepare_triton_env()
+    import torch
+
+    from . import cases, dispatch
+
+    print(f"torch {torch.__version__}")
+    if torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name()} (sm_{dispatch.device_arch()})")
+    else:
+        print("GPU: none (Triton runs under the interpreter; fast kernels compile-only)")
+    for fam in dispatch.FAMILIES:
+        names = [i.name for i in dispatch.implementations(fam)]
+        print(f"{fam:7s}: {', '.join(names) if names else 'not available: ' + dispatch._LOAD_ERRORS.get(fam, 'none registered')}")
+    print("\nwho serves which variant (forward+backward where the variant has a backward):")
+    for case in cases.CASES:
+        call = cases.make_call(case, "cpu", torch.float16, False, backward=True)
+        cells = []
+        for fam in dispatch.FAMILIES:
+            impl, reasons = dispatch.family_reasons(call.spec, fam)
+            cells.append(f"{fam}={'yes' if impl else 'no'}")
+        print(f"  {case.name:32s} {'  '.join(cells)}")
+    return 0
+
+
+def cmd_diff(args) -> int:
+    _prepare_triton_env()
+    from . import debug
+
+    rep = debug.diff(args.repro, impl=args.impl, device=args.device)
+    print(rep)
+    return 0 if rep.ok else 1
+
+
+def cmd_fuzz(args) -> int:
+    env = dict(os.environ, DUALATTN_PROPS_PROFILE=args.profile)
+    cmd = [sys.executable, "-m", "pytest", "props/", "-q", "--hypothesis-show-statistics"] + args.pytest_args
+    return subprocess.call(cmd, env=env)
+
+
+def cmd_bench(argv) -> int:
+    from . import bench
+
+    return bench.main(argv)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return cmd_bench(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m dualattn", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="every variant x every available impl vs the oracle")
+    c.add_argument("--impls", help="comma-separated families (default: all)")
+    c.add_argument("--dtypes", help="comma-separated, e.g. float16,bfloat16")
+    c.add_argument("--filter", help="only variants whose name contains this")
+    c.add_argument("--small", action="store_true", help="small shapes even on a GPU")
+    c.add_argument("--no-backward", action="store_true")
+    c.add_argument("--seed", type=int, default=0)
+    sub.add_parser("info", help="GPU, arch, implementations and what they serve")
+    d = sub.add_parser("diff", help="replay a repro file against the oracle")
+    d.add_argument("repro")
+    d.add_argument("--impl", default=None)
+    d.add_argument("--device", default=None)
+    f = sub.add_parser("fuzz", help="run the property campaign (pytest props/)")
+    f.add_argument("--profile", default="ci", choices=["ci", "gpu", "campaign"])
+    f.add_argument("pytest_args", nargs="*")
+    sub.add_parser("bench", help="side-by-side benchmark (see python -m dualattn bench --help)")
+    args = p.parse_args(argv)
+    return {"check": cmd_check, "info": cmd_info, "diff": cmd_diff, "fuzz": cmd_fuzz}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

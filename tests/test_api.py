@@ -1,0 +1,150 @@
+"""Public API: autograd, dispatch and explain, reference/check modes, compare and repro files, CLI."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dualattn
+from dualattn import debug, dispatch
+from dualattn import spec as S
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class _OffByOneCausal:
+    """A deliberately wrong implementation: causal diagonal shifted by one (sees one key too many)."""
+
+    name = "broken-test-impl"
+    family = "fast"
+
+    def can_implement(self, spec):
+        return None if spec.mode == "batched" and not spec.needs_grad else "test impl: batched forward only"
+
+    def forward(self, call):
+        from dualattn.reference.torch_ref import attention_ref
+
+        k = torch.cat([call.k, call.k[:, -1:]], 1)  # one more key: the diagonal moves by one
+        v = torch.cat([call.v, call.v[:, -1:]], 1)
+        wrong = S.build_dense(call.q, k, v, causal=call.spec.causal)
+        r = attention_ref(wrong)
+        return r.out.to(call.spec.dtype), r.lse
+
+
+@pytest.fixture
+def broken_fast(monkeypatch):
+    dispatch.implementations()  # load providers first
+    monkeypatch.setitem(dispatch._REGISTRY, "fast", [_OffByOneCausal()] + dispatch._REGISTRY["fast"])
+    yield
+
+
+def qkv(sq=33, sk=47, hq=4, hkv=2, d=16, dtype=torch.float32, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = [torch.randn(2, s, h, d, generator=g, dtype=dtype) for s, h in ((sq, hq), (sk, hkv), (sk, hkv))]
+    return [x.requires_grad_(grad) for x in t]
+
+
+def test_autograd_through_torch_impl_matches_oracle():
+    q, k, v = qkv(grad=True)
+    out = dualattn.attention(q, k, v, causal=True, window=(10, 3), impl="torch")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    call = S.build_dense(q.detach(), k.detach(), v.detach(), causal=True, window=(10, 3))
+    from dualattn.reference.torch_ref import attention_ref
+    r = attention_ref(call, torch.float64, dout.double())
+    for g, ref in ((q.grad, r.dq), (k.grad, r.dk), (v.grad, r.dv)):
+        assert torch.allclose(g.double(), ref, atol=1e-5)
+
+
+def test_return_lse_shapes():
+    q, k, v = qkv()
+    out, lse = dualattn.attention(q, k, v, return_lse=True)
+    assert out.shape == (2, 33, 4, 16) and lse.shape == (2, 4, 33) and lse.dtype == torch.float32
+
+
+def test_explain_names_every_family():
+    q, k, v = qkv()
+    text = dualattn.explain(q, k, v, causal=True)
+    assert "auto picks" in text
+    for fam in dispatch.FAMILIES:
+        assert fam in text
+
+
+def test_fast_without_gpu_says_why():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; the refusal path is for CPU-only machines")
+    q, k, v = qkv()
+    with pytest.raises(NotImplementedError, match=r"impl='fast' cannot serve this call .*Implementations that can: .*torch"):
+        dualattn.attention(q, k, v, impl="fast")
+
+
+def test_auto_uses_broken_fast_and_check_mode_catches_it(broken_fast, tmp_path, monkeypatch):
+    monkeypatch.setenv("DUALATTN_REPRO_DIR", str(tmp_path))
+    q, k, v = qkv(sq=40, sk=40)
+    wrong = dualattn.attention(q, k, v, causal=True)  # auto picks the broken fast impl
+    with dualattn.reference_mode():
+        right = dualattn.attention(q, k, v, causal=True)
+    assert not torch.allclose(wrong, right, atol=1e-3)
+    with dualattn.check_mode():
+        with pytest.raises(dualattn.MismatchError) as ei:
+            dualattn.attention(q, k, v, causal=True)
+    rep = ei.value.report
+    assert not rep.ok and rep.impl == "broken-test-impl"
+    assert any("query row" in x for x in rep.locations)
+    assert rep.repro_path and os.path.exists(rep.repro_path)
+    # the repro replays to the same failure, and the right implementation passes it
+    assert not debug.diff(rep.repro_path).ok
+    assert debug.diff(rep.repro_path, impl="torch").ok
+
+
+def test_env_reference_mode(broken_fast, monkeypatch):
+    q, k, v = qkv(sq=20, sk=20)
+    monkeypatch.setenv("DUALATTN_MODE", "reference")
+    a = dualattn.attention(q, k, v, causal=True)
+    b = dualattn.attention(q, k, v, causal=True, impl="torch")
+    assert torch.equal(a, b)
+
+
+def test_compare_report_localizes_block_sparse(broken_fast, tmp_path):
+    q, k, v = qkv(sq=64, sk=64)
+    bs = dualattn.BlockSparse.from_key_ranges(None, 64, 64, 16, 16, causal=True)
+    call = S.build_dense(q, k, v, causal=True, return_lse=True)
+    rep = dualattn.compare(call, "fast", repro_dir=str(tmp_path))
+    assert not rep.ok and rep.repro_path
+    call2 = S.build_dense(q, k, v, causal=True, block_sparse=bs)
+    rep2 = dualattn.compare(call2, "torch", backward=True)
+    assert rep2.ok, str(rep2)
+    assert {c.name for c in rep2.checks} == {"out", "lse", "dq", "dk", "dv"}
+
+
+def test_repro_roundtrip_every_mode(tmp_path):
+    from dualattn import cases
+    for case in cases.CASES:
+        call = cases.make_call(case, "cpu", torch.float16, False)
+        path = debug.save_repro(call, "torch", str(tmp_path), name=f"{abs(hash(case.name))}.pt")
+        call2, impl, backward, _ = debug.load_repro(path)
+        assert call2.spec == call.spec and impl == "torch"
+
+
+def _cli(*args, env_extra=None, timeout=600):
+    env = dict(os.environ, DUALATTN_PROGRESS="0", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "dualattn", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+
+
+def test_cli_check_and_info():
+    r = _cli("check", "--impls", "torch", "--filter", "varlen")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "PASS" in r.stdout and " 0 failed" in r.stdout
+    r = _cli("info")
+    assert r.returncode == 0 and "torch" in r.stdout
+
+
+def test_cli_diff_exit_codes(broken_fast, tmp_path):
+    q, k, v = qkv(sq=24, sk=24)
+    call = S.build_dense(q, k, v, causal=True)
+    path = debug.save_repro(call, "torch", str(tmp_path), name="ok.pt")
+    r = _cli("diff", path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok" in r.stdout
