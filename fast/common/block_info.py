@@ -1,0 +1,35 @@
+"""Which key blocks a query block visits (tile skipping) and which of them need the element mask."""
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@cute.jit
+def n_block_range(m_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                  seqlen_q: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32,
+                  has_left: cutlass.Constexpr, has_right: cutlass.Constexpr):
+    """[n_min, n_max) of key blocks with at least one visible element for this query block."""
+    n_max = cute.ceil_div(seqlen_k, tile_n)
+    n_min = Int32(0)
+    if cutlass.const_expr(has_right):
+        last_row = cutlass.min((m_block + 1) * tile_m, seqlen_q) - 1
+        hi = cutlass.max(last_row + seqlen_k - seqlen_q + win_right + 1, 0)
+        n_max = cutlass.min(n_max, cute.ceil_div(hi, tile_n))
+    if cutlass.const_expr(has_left):
+        lo = cutlass.max(m_block * tile_m + seqlen_k - seqlen_q - win_left, 0)
+        n_min = lo // tile_n
+    return n_min, n_max
+
+
+@cute.jit
+def block_needs_mask(m_block: Int32, n_block: Int32, tile_m: cutlass.Constexpr, tile_n: cutlass.Constexpr,
+                     seqlen_q: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32,
+                     has_left: cutlass.Constexpr, has_right: cutlass.Constexpr):
+    """True unless every (row, key) of the tile is visible (rows past seqlen_q are never stored)."""
+    col_end = (n_block + 1) * tile_n
+    need = col_end > seqlen_k
+    if cutlass.const_expr(has_right):
+        need = need or (col_end - 1 > m_block * tile_m + seqlen_k - seqlen_q + win_right)
+    if cutlass.const_expr(has_left):
+        need = need or (n_block * tile_n < m_block * tile_m + tile_m - 1 + seqlen_k - seqlen_q - win_left)
+    return need

@@ -1,0 +1,74 @@
+"""Online softmax on mma.sync accumulator fragments (FA2 style), shared by the arch kernels.
+
+Scores arrive as fp32 fragments viewed as (rows, cols) of one thread (see ``layouts.acc_mn_view``).
+Rows of an m16n8k16 accumulator are spread over the 4 threads of a quad, so row reductions finish
+with two butterfly shuffles. Exponentials use exp2 with log2(e) folded into the scale.
+"""
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def quad_max(x):
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2, mask=-1, mask_and_clamp=31))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1, mask=-1, mask_and_clamp=31))
+
+
+def quad_sum(x):
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2, mask=-1, mask_and_clamp=31)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=1, mask=-1, mask_and_clamp=31)
+
+
+def make_softmax_state(num_rows: int):
+    """Running row max (score units) and this thread's partial row sums, fp32 registers."""
+    row_max = cute.make_rmem_tensor(num_rows, Float32)
+    row_sum = cute.make_rmem_tensor(num_rows, Float32)
+    row_max.fill(-Float32.inf)
+    row_sum.fill(0.0)
+    return row_max, row_sum
+
+
+@cute.jit
+def online_softmax_step(row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32,
+                        acc_S_mn: cute.Tensor, acc_O_mn: cute.Tensor):
+    """Fold one key block: update max/sum, rescale O, turn S into unnormalised P in place.
+
+    ``scale_log2`` turns a score into a base-2 logit: softmax scale * log2(e), or log2(e) alone
+    when the kernel already applied scale (and softcap) to the scores.
+    """
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        s_row = acc_S_mn[r, None].load()
+        m_blk = quad_max(s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0))
+        m_old = row_max[r]
+        m_new = cute.arch.fmax(m_old, m_blk)
+        # a row that has seen no visible key yet keeps max -inf; offset by 0 so that
+        # exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN
+        m_off = m_new * scale_log2
+        if m_new == -Float32.inf:
+            m_off = Float32(0.0)
+        p_row = cute.math.exp2(s_row * scale_log2 - m_off, fastmath=True)
+        corr = cute.math.exp2(m_old * scale_log2 - m_off, fastmath=True)
+        row_sum[r] = row_sum[r] * corr + p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+        row_max[r] = m_new
+        acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr
+        acc_S_mn[r, None] = p_row
+
+
+@cute.jit
+def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Float32,
+                     acc_O_mn: cute.Tensor, lse: cute.Tensor):
+    """Normalise O; write natural-log LSE per row into ``lse`` (-inf, and O = 0, for empty rows)."""
+    for r in cutlass.range_constexpr(cute.size(row_max)):
+        total = quad_sum(row_sum[r])
+        inv = Float32(0.0)
+        lse_r = -Float32.inf
+        if total > 0.0:
+            inv = cute.arch.rcp_approx(total)
+            lse_r = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
+        acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
+        lse[r] = lse_r
