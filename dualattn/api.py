@@ -25,6 +25,13 @@ class _Attention(torch.autograd.Function):
         return None, None, dq, dk, dv
 
 
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # pragma: no cover - old torch
+        return False
+
+
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
 
@@ -49,6 +56,11 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None
 
     With ``return_lse`` also returns the natural-log LSE, fp32 (B, Hq, Sq).
     """
+    if _compiling():  # torch.compile traces the custom op (dualattn.ops), not the Python checks
+        from . import ops
+        return ops.attention(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale,
+                             key_ranges=key_ranges, block_sparse=block_sparse, deterministic=deterministic,
+                             return_lse=return_lse, impl=impl)
     call = spec_mod.build_dense(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale,
                                 key_ranges=key_ranges, block_sparse=block_sparse, deterministic=deterministic,
                                 return_lse=return_lse)
@@ -64,6 +76,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     LSE (with ``return_lse``) is fp32 (Hq, total_q).
     """
+    if _compiling():
+        from . import ops
+        return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                    window=window, softcap=softcap, scale=scale, key_ranges=key_ranges,
+                                    block_sparse=block_sparse, deterministic=deterministic, return_lse=return_lse,
+                                    impl=impl)
     call = spec_mod.build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                  window=window, softcap=softcap, scale=scale, key_ranges=key_ranges,
                                  block_sparse=block_sparse, deterministic=deterministic, return_lse=return_lse)
@@ -81,6 +99,11 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     (num_pages, page_size, Hkv, D). ``k_new``/``v_new`` (B, S_new, Hkv, D) are written into the cache
     at ``cache_seqlens`` (which is not advanced) and attended to, as in FlashAttention.
     """
+    if _compiling():
+        from . import ops
+        return ops.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
+                                          k_new=k_new, v_new=v_new, causal=causal, window=window, softcap=softcap,
+                                          scale=scale, num_splits=num_splits, return_lse=return_lse, impl=impl)
     call = spec_mod.build_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
                                   k_new=k_new, v_new=v_new, causal=causal, window=window, softcap=softcap,
                                   scale=scale, num_splits=num_splits, return_lse=return_lse)
