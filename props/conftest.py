@@ -1,0 +1,64 @@
+"""Profile selection (ci / gpu / campaign), device placement, and the repro report.
+
+    DUALATTN_PROPS_PROFILE=gpu pytest props/          # or: pytest props/ --props-profile gpu
+    pytest props/ --props-profile campaign -n 8 --hypothesis-show-statistics
+
+The gpu and campaign profiles need CUDA and skip (reason "needs CUDA") without it. Under
+pytest-xdist each worker takes one GPU (worker i -> GPU i mod count).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from props import harness, profiles
+
+
+def pytest_addoption(parser):
+    parser.addoption("--props-profile", default=None, choices=sorted(profiles.PROFILES),
+                     help="dualattn property profile (default: $DUALATTN_PROPS_PROFILE or ci)")
+
+
+def pytest_configure(config):
+    try:
+        name = config.getoption("--props-profile")
+    except ValueError:  # the option is registered only when props/ is an initial conftest
+        name = None
+    lim = profiles.select(name)
+    if lim.device == "cuda" and torch.cuda.is_available():
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        if worker.startswith("gw"):
+            torch.cuda.set_device(int(worker[2:]) % torch.cuda.device_count())
+
+
+def pytest_report_header(config):
+    lim = profiles.current()
+    from dualattn import dispatch
+    names = ", ".join(f"{i.family}:{i.name}" for i in dispatch.implementations())
+    return [f"dualattn props profile: {lim.name} (device {lim.device}, max_examples {lim.examples}, "
+            f"max_seqlen {lim.max_seqlen})", f"dualattn implementations: {names}"]
+
+
+def pytest_collection_modifyitems(config, items):
+    if profiles.current().device == "cuda" and not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "props" in str(item.fspath) and "cpu_only" not in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _collect_repros():
+    harness.SAVED_REPROS.clear()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call" and rep.failed and harness.SAVED_REPROS:
+        lines = [f"python -m dualattn diff {p}" for p in harness.SAVED_REPROS]
+        rep.sections.append(("dualattn repro (last file = the shrunk case)", "\n".join(lines)))
