@@ -52,13 +52,18 @@ class BlockCSR:
         return [int(x) for x in self.col[bb, hh, s:e]]
 
 
-def _dense_to_csr(is_set: torch.Tensor) -> BlockCSR:
-    """(B', H', R, C) bool -> CSR over rows R with column indices in increasing order."""
+def _dense_to_csr(is_set: torch.Tensor, nnz_max: Optional[int] = None) -> BlockCSR:
+    """(B', H', R, C) bool -> CSR over rows R with column indices in increasing order.
+
+    ``nnz_max`` (the padded length of ``col``) is read from the data unless given; giving it
+    avoids a host synchronisation (the transpose of a CSR has the same number of entries)."""
     Bp, Hp, R, C = is_set.shape
     counts = is_set.sum(-1, dtype=torch.int32)
     rowptr = torch.zeros(Bp, Hp, R + 1, dtype=torch.int32, device=is_set.device)
     rowptr[..., 1:] = torch.cumsum(counts, -1, dtype=torch.int32)
-    nnz_max = max(int(rowptr[..., -1].max()) if rowptr.numel() else 0, 1)
+    if nnz_max is None:
+        nnz_max = max(int(rowptr[..., -1].max()) if rowptr.numel() else 0, 1)
+    nnz_max = min(max(nnz_max, 1), max(R * C, 1))
     # stable sort puts the set entries first, in column order, row after row
     flat = is_set.reshape(Bp, Hp, R * C)
     order = torch.sort((~flat).to(torch.int8), dim=-1, stable=True).indices[..., :nnz_max]
@@ -155,7 +160,9 @@ class BlockSparse:
         if self._k2q is None:
             full = _csr_to_dense(self.q2k_full, self.n_kblocks).transpose(-1, -2)
             mask = _csr_to_dense(self.q2k_mask, self.n_kblocks).transpose(-1, -2)
-            k2q_full, k2q_mask = _dense_to_csr(full), _dense_to_csr(mask)
+            # same entry counts as the q->k lists: no need to read them back from the device
+            k2q_full = _dense_to_csr(full, self.q2k_full.col.shape[-1])
+            k2q_mask = _dense_to_csr(mask, self.q2k_mask.col.shape[-1])
             locks = compute_lock_values(self.q2k_full, self.q2k_mask, k2q_full, k2q_mask,
                                         self.n_qblocks, self.n_kblocks)
             self._k2q = (k2q_full, k2q_mask, locks[0], locks[1])
