@@ -10,8 +10,9 @@ Files (each kernel has a header saying what it computes and its grid):
 * ``backward`` delta preprocess, dK/dV pass, dQ pass (no atomics: deterministic by construction)
 * ``decode``   kv-cache: append k_new/v_new, split-KV flash-decoding, combine
 
-On a machine without a GPU the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
-which must be set before triton is first imported) on CPU tensors.
+On a machine without a GPU the kernels run under Triton's interpreter on CPU tensors:
+``TRITON_INTERPRET=1`` must be set before this package is imported (``triton.jit`` decides at
+decoration time whether a kernel is compiled or interpreted).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 
 from dualattn import dispatch
 
-from .common import interpreting
+from . import backward, decode, forward  # noqa: F401  (kernels are built here, once)
+from .common import KERNELS_INTERPRETED
 
 
 class TritonImpl:
@@ -31,8 +33,9 @@ class TritonImpl:
             if not torch.cuda.is_available():
                 return "tensors are on CUDA but no CUDA device is available"
         elif spec.device_type == "cpu":
-            if not interpreting():
-                return "no CUDA device and TRITON_INTERPRET != '1' (the Triton CPU interpreter is off)"
+            if not KERNELS_INTERPRETED:
+                return ("no CUDA device and TRITON_INTERPRET != '1' when dualattn.reference.triton was imported "
+                        "(the Triton CPU interpreter is off)")
         else:
             return f"device type {spec.device_type!r} is not supported (CUDA, or CPU under TRITON_INTERPRET=1)"
         if spec.block_size is not None:
@@ -48,16 +51,13 @@ class TritonImpl:
 
     def forward(self, call):
         if call.spec.mode == "kvcache":
-            from .decode import attention_decode
-            return attention_decode(call)
-        from .forward import attention_forward
-        return attention_forward(call)
+            return decode.attention_decode(call)
+        return forward.attention_forward(call)
 
     def backward(self, call, out, lse, dout):
         # deterministic=True needs nothing here: no kernel of the backward uses atomics, so every
         # run sums in the same order and dQ, dK, dV are bitwise identical across runs.
-        from .backward import attention_backward
-        return attention_backward(call, out, lse, dout)
+        return backward.attention_backward(call, out, lse, dout)
 
 
 IMPL = dispatch.register(TritonImpl())

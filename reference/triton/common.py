@@ -29,6 +29,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# triton.jit chooses compiled or interpreted kernels when they are defined, i.e. on import
+KERNELS_INTERPRETED = interpreting()
+
+
 def next_pow2(x: int) -> int:
     return triton.next_power_of_2(max(int(x), 1))
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .common import interpreting
+from .common import KERNELS_INTERPRETED
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def tile_for(kernel: str, head_dim: int, dtype: torch.dtype, block_size=None, pa
     env = os.environ.get(f"DUALATTN_TRITON_TILE_{kernel.upper()}")
     if env:
         t = Tile(*[int(x) for x in env.split(",")])
-    elif interpreting():
+    elif KERNELS_INTERPRETED:
         t = _INTERPRETER
     elif dtype == torch.float32:
         t = _TABLE_FP32[kernel]

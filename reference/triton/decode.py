@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _block_range, _masked_block, interpreting, next_pow2
+from .common import _block_range, _masked_block, next_pow2
 from .forward import _attn_fwd_block
 from .launch import Launch
 

@@ -6,7 +6,7 @@ from typing import Tuple
 
 import torch
 
-from .common import LOG2E, interpreting, next_pow2
+from .common import KERNELS_INTERPRETED, LOG2E, next_pow2
 from .configs import tile_for
 
 
@@ -85,5 +85,5 @@ class Launch:
             BS_M=self.bs.block_m if self.bs is not None else 1, BS_N=self.bs.block_n if self.bs is not None else 1,
             SOFTCAP=spec.softcap > 0,
             # the interpreter's tl.dot is wrong on bf16: upcast there
-            DOT_FP32=interpreting() and spec.dtype == torch.bfloat16,
+            DOT_FP32=KERNELS_INTERPRETED and spec.dtype == torch.bfloat16,
             IEEE=spec.dtype == torch.float32)
