@@ -73,6 +73,18 @@ def _acc_as_frg_a_layout(acc_layout: cute.Layout) -> cute.Layout:
     return cute.composition(acc_layout, cute.composition(cm, view))
 
 
+def _frg_a_shape(acc_shape):
+    """Shape of the A-operand fragment that holds P for an accumulator of shape acc_shape."""
+    return ((2, 2, 2), 1, acc_shape[0][2] // 2)
+
+
+class _Ctx:
+    """The per-tile state the main-loop helpers share (a plain trace-time namespace)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
 class FlashFwdSm90:
     """Forward kernel for one static configuration (see fast/sm90/__init__ for the cache key)."""
 
@@ -84,7 +96,7 @@ class FlashFwdSm90:
     num_mma_regs = 240
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
-                 num_stages: int, pingpong: bool = True):
+                 num_stages: int, pingpong: bool = True, overlap: bool = True):
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
@@ -92,6 +104,7 @@ class FlashFwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.pingpong = pingpong
+        self.overlap = overlap
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
@@ -336,16 +349,29 @@ class FlashFwdSm90:
             n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
             n_masked = cutlass.max(n_block_max - n_block_unmasked_end, 1)
         n_masked = cutlass.min(n_masked, n_block_max)
-        for i in cutlass.range(n_masked, unroll=1):
-            kv_state = self.one_block(
-                True, n_block_max - 1 - i, kv_state, pipe_k, pipe_v, tiled_mma_qk, tiled_mma_pv,
-                thr_mma_qk, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max, row_sum,
-                softmax_scale_log2, m_block, seqlen_q, seqlen_k, num_rows, num_cols, wg)
-        for i in cutlass.range(n_block_max - n_masked, unroll=1):
-            kv_state = self.one_block(
-                False, n_block_max - n_masked - 1 - i, kv_state, pipe_k, pipe_v, tiled_mma_qk,
-                tiled_mma_pv, thr_mma_qk, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
-                row_sum, softmax_scale_log2, m_block, seqlen_q, seqlen_k, num_rows, num_cols, wg)
+        ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
+                   tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
+                   tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
+                   row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
+                   m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg)
+        if const_expr(not self.overlap):
+            for i in cutlass.range(n_masked, unroll=1):
+                kv_state = self.one_block(ctx, True, n_block_max - 1 - i, kv_state)
+            for i in cutlass.range(n_block_max - n_masked, unroll=1):
+                kv_state = self.one_block(ctx, False, n_block_max - n_masked - 1 - i, kv_state)
+        else:
+            # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
+            # together while the softmax of S_{j+1} runs on the CUDA cores
+            tOrP = cute.make_rmem_tensor(
+                _frg_a_shape(thr_mma_qk.partition_shape_C((BM, BN))), self.dtype)
+            if n_block_max > 0:
+                self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP)
+                for i in cutlass.range(n_masked - 1, unroll=1):
+                    kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state, tOrP)
+                for i in cutlass.range(n_block_max - n_masked, unroll=1):
+                    kv_state = self.overlapped_block(
+                        ctx, False, n_block_max - n_masked - 1 - i, kv_state, tOrP)
+                self.last_half_block(ctx, kv_state, tOrP)
 
         # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
         lse = cute.make_rmem_tensor((num_rows,), Float32)
@@ -388,66 +414,146 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def one_block(self, masked: cutlass.Constexpr, n_block, kv_state, pipe_k, pipe_v,
-                  tiled_mma_qk, tiled_mma_pv, thr_mma_qk, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn,
-                  tScS_mn, row_max, row_sum, softmax_scale_log2, m_block, seqlen_q, seqlen_k,
-                  num_rows: cutlass.Constexpr, num_cols: cutlass.Constexpr, wg):
+    def mask_scores(self, ctx, acc_S_mn, n_block):
+        """key j visible to query i iff j < seqlen_k and (causal) j <= i + seqlen_k - seqlen_q."""
         BM, BN = self.tile_m, self.tile_n
-        acc_S = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((BM, BN)), Float32)
-        pipe_k.consumer_wait(kv_state)
-        if const_expr(self.pingpong):
-            cute.arch.barrier(barrier_id=_BAR_WG_SCHED + wg, number_of_threads=256)
-        self.gemm(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, kv_state.index], True)
-        if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED + 1 - wg, number_of_threads=256)
-        warpgroup.wait_group(0)
-        pipe_k.consumer_release(kv_state)
+        col0 = n_block * BN
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            limit = ctx.seqlen_k - col0
+            if const_expr(self.causal):
+                row = ctx.m_block * BM + ctx.tScS_mn[r, 0][0]
+                limit = cutlass.min(limit, row + 1 + ctx.seqlen_k - ctx.seqlen_q - col0)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                if ctx.tScS_mn[0, c][1] >= limit:
+                    acc_S_mn[r, c] = -Float32.inf
 
-        acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        if const_expr(masked):
-            # key j visible to query i iff j < seqlen_k and (causal) j <= i + seqlen_k - seqlen_q
-            col0 = n_block * BN
-            for r in cutlass.range_constexpr(num_rows):
-                limit = seqlen_k - col0
-                if const_expr(self.causal):
-                    row = m_block * BM + tScS_mn[r, 0][0]
-                    limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q - col0)
-                for c in cutlass.range_constexpr(num_cols):
-                    if tScS_mn[0, c][1] >= limit:
-                        acc_S_mn[r, c] = -Float32.inf
+    @cute.jit
+    def online_softmax(self, ctx, acc_S_mn, corr):
+        """S -> P = exp2(S * scale_log2 - rowmax * scale_log2) in place; corr = exp2(old - new max).
 
-        # online softmax, one pass per row; the quad of threads sharing a row reduces by shuffle
-        for r in cutlass.range_constexpr(num_rows):
-            m_old = row_max[r]
+        One pass per row; the quad of threads sharing a row reduces its max by shuffle (the sum
+        stays per-thread until the end, since corr is uniform over the quad).
+        """
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            m_old = ctx.row_max[r]
             m = m_old
-            for c in cutlass.range_constexpr(num_cols):
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 m = cute.arch.fmax(m, acc_S_mn[r, c])
             m = cute.arch.warp_reduction_max(m, threads_in_group=4)
-            row_max[r] = m
+            ctx.row_max[r] = m
             # a row that has seen no key keeps max -inf; use 0 so exp2 gives 0, not NaN
-            m_scaled = m * softmax_scale_log2
+            m_scaled = m * ctx.scale_log2
             if m == -Float32.inf:
                 m_scaled = Float32(0.0)
-            corr = cute.math.exp2(m_old * softmax_scale_log2 - m_scaled, fastmath=True)
+            c_r = cute.math.exp2(m_old * ctx.scale_log2 - m_scaled, fastmath=True)
             s = Float32(0.0)
-            for c in cutlass.range_constexpr(num_cols):
-                p = cute.math.exp2(acc_S_mn[r, c] * softmax_scale_log2 - m_scaled, fastmath=True)
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                p = cute.math.exp2(acc_S_mn[r, c] * ctx.scale_log2 - m_scaled, fastmath=True)
                 acc_S_mn[r, c] = p
                 s += p
-            row_sum[r] = row_sum[r] * corr + s
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * corr
+            ctx.row_sum[r] = ctx.row_sum[r] * c_r + s
+            corr[r] = c_r
 
-        tOrP = cute.make_rmem_tensor_like(
-            cute.make_tensor(acc_S.iterator, _acc_as_frg_a_layout(acc_S.layout)), self.dtype)
+    @cute.jit
+    def rescale_O(self, ctx, corr):
+        for r in cutlass.range_constexpr(cute.size(ctx.acc_O_mn, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(ctx.acc_O_mn, mode=[1])):
+                ctx.acc_O_mn[r, c] = ctx.acc_O_mn[r, c] * corr[r]
+
+    @cute.jit
+    def sched_sync(self, ctx):
+        """Ping-pong: wait until the other warpgroup has issued its GEMMs."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_BAR_WG_SCHED + ctx.wg, number_of_threads=256)
+
+    @cute.jit
+    def sched_arrive(self, ctx):
+        if const_expr(self.pingpong):
+            cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED + 1 - ctx.wg, number_of_threads=256)
+
+    @cute.jit
+    def qk(self, ctx, kv_state):
+        acc_S = cute.make_rmem_tensor(ctx.thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                      Float32)
+        self.gemm(ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv_state.index],
+                  True)
+        return acc_S
+
+    @cute.jit
+    def convert_P(self, acc_S, tOrP):
         tOrP.store(cute.make_tensor(acc_S.iterator, _acc_as_frg_a_layout(acc_S.layout))
                    .load().to(self.dtype))
-        pipe_v.consumer_wait(kv_state)
-        self.gemm(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, kv_state.index], False)
+
+    # ---- without intra-warpgroup overlap -------------------------------------------------------
+    @cute.jit
+    def one_block(self, ctx, masked: cutlass.Constexpr, n_block, kv_state):
+        ctx.pipe_k.consumer_wait(kv_state)
+        self.sched_sync(ctx)
+        acc_S = self.qk(ctx, kv_state)
+        self.sched_arrive(ctx)
         warpgroup.wait_group(0)
-        pipe_v.consumer_release(kv_state)
+        ctx.pipe_k.consumer_release(kv_state)
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
+        if const_expr(masked):
+            self.mask_scores(ctx, acc_S_mn, n_block)
+        corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
+        self.online_softmax(ctx, acc_S_mn, corr)
+        self.rescale_O(ctx, corr)
+        tOrP = cute.make_rmem_tensor(_frg_a_shape(acc_S.shape), self.dtype)
+        self.convert_P(acc_S, tOrP)
+        ctx.pipe_v.consumer_wait(kv_state)
+        self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state.index],
+                  False)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
+
+    # ---- with intra-warpgroup overlap ----------------------------------------------------------
+    @cute.jit
+    def first_half_block(self, ctx, n_block, kv_state, tOrP):
+        """S, mask and softmax of the first (always masked) block; its P V runs in the next step."""
+        ctx.pipe_k.consumer_wait(kv_state)
+        acc_S = self.qk(ctx, kv_state)
+        warpgroup.wait_group(0)
+        ctx.pipe_k.consumer_release(kv_state)
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
+        self.mask_scores(ctx, acc_S_mn, n_block)
+        corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
+        self.online_softmax(ctx, acc_S_mn, corr)  # O is still zero: no rescale needed
+        self.convert_P(acc_S, tOrP)
+
+    @cute.jit
+    def overlapped_block(self, ctx, masked: cutlass.Constexpr, n_block, kv_state, tOrP):
+        kv_state_v = kv_state.clone()   # V of the previous block
+        kv_state.advance()              # K of this block
+        ctx.pipe_k.consumer_wait(kv_state)
+        self.sched_sync(ctx)
+        acc_S = self.qk(ctx, kv_state)
+        ctx.pipe_v.consumer_wait(kv_state_v)
+        self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state_v.index],
+                  False)
+        self.sched_arrive(ctx)
+        warpgroup.wait_group(1)         # S is ready, P V may still run
+        ctx.pipe_k.consumer_release(kv_state)
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
+        if const_expr(masked):
+            self.mask_scores(ctx, acc_S_mn, n_block)
+        corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
+        self.online_softmax(ctx, acc_S_mn, corr)
+        warpgroup.wait_group(0)         # P V done: tOrP and O may be touched again
+        ctx.pipe_v.consumer_release(kv_state_v)
+        self.convert_P(acc_S, tOrP)
+        self.rescale_O(ctx, corr)
+        return kv_state
+
+    @cute.jit
+    def last_half_block(self, ctx, kv_state, tOrP):
+        ctx.pipe_v.consumer_wait(kv_state)
+        self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state.index],
+                  False)
+        warpgroup.wait_group(0)
+        ctx.pipe_v.consumer_release(kv_state)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
