@@ -1,0 +1,1 @@
+"""Optional integrations with other libraries (each imports its library lazily)."""
