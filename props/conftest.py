@@ -22,6 +22,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "device_free: a property that needs no GPU in any profile (pure Python/CPU)")
     try:
         name = config.getoption("--props-profile")
     except ValueError:  # the option is registered only when props/ is an initial conftest
@@ -45,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
     if profiles.current().device == "cuda" and not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in items:
-            if "props" in str(item.fspath) and "cpu_only" not in item.keywords:
+            if "props" in str(item.fspath) and "device_free" not in item.keywords:
                 item.add_marker(skip)
 
 

@@ -1,0 +1,41 @@
+"""Property 5's machinery: a call that outlives the watchdog saves a repro and reports a hang."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from dualattn import debug
+from props import harness
+from props import strategies as S
+
+
+class _Sleeper:
+    name, family = "sleeper", "torch"
+
+
+@pytest.mark.device_free
+def test_watchdog_fires_and_saves_repro(tmp_path, monkeypatch):
+    monkeypatch.setenv("DUALATTN_REPRO_DIR", str(tmp_path))
+    case = S.Case("batched", (3,), (5,), 2, 1, 32, 32, "float32", causal=True)
+    call = S.build_call(S.materialize(case, "cpu"))
+    messages = []
+    with harness.watchdog(call, _Sleeper(), timeout=0.05, on_timeout=messages.append) as fired:
+        time.sleep(0.5)  # stands in for a kernel that never returns
+    assert fired.is_set() and messages and messages[0].startswith("HANG: sleeper")
+    path = messages[0].rsplit("diff ", 1)[1]
+    assert os.path.exists(path)
+    replayed, impl, backward, _ = debug.load_repro(path)
+    assert replayed.spec == call.spec and impl == "torch" and not backward
+
+
+@pytest.mark.device_free
+def test_watchdog_quiet_when_in_time():
+    case = S.Case("batched", (3,), (5,), 2, 1, 32, 32, "float32")
+    call = S.build_call(S.materialize(case, "cpu"))
+    messages = []
+    with harness.watchdog(call, _Sleeper(), timeout=5.0, on_timeout=messages.append) as fired:
+        pass
+    time.sleep(0.05)
+    assert not fired.is_set() and not messages
