@@ -1,0 +1,143 @@
+"""Triton kernels: the interpreter suite (in its own process) and the GPU suite (marked gpu).
+
+CPU: tests/test_triton_interp.py needs TRITON_INTERPRET=1 before the kernels are defined, and
+setting it in this process would also switch every other test's impl="auto" CPU calls onto the
+interpreter; so it runs in a child process here.
+GPU: the same case catalogue at realistic sizes in bf16/fp16 against the oracle, bitwise
+determinism of the backward, and CUDA-graph capture of the decode path.
+"""
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_triton_cases import CASES, clone_call, make_call
+
+HERE = Path(__file__).resolve().parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.timeout(600)
+def test_interpreter_suite_in_child_process():
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 here: tests/test_triton_interp.py runs in this process instead")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "test_triton_interp.py")]
+    try:
+        r = subprocess.run(cmd, cwd=HERE.parent, env=env, capture_output=True, text=True, timeout=540)
+    except subprocess.TimeoutExpired as e:  # a hang is a failure
+        pytest.fail(f"interpreter suite timed out:\n{(e.stdout or '')[-4000:]}")
+    assert r.returncode == 0, f"interpreter suite failed (rc {r.returncode}):\n{r.stdout[-8000:]}\n{r.stderr[-2000:]}"
+    assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+
+
+def test_can_implement_refuses_cpu_without_interpreter():
+    from dualattn.reference import triton as ttr
+    from dualattn import spec as S
+    if ttr.KERNELS_INTERPRETED:
+        pytest.skip("kernels were built for the interpreter in this process")
+    q = torch.randn(1, 4, 1, 16)
+    reason = ttr.IMPL.can_implement(S.build_dense(q, q, q).spec)
+    assert reason is not None and "TRITON_INTERPRET" in reason
+
+
+# ------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------
+
+def _impl():
+    from dualattn.reference import triton as ttr
+    if ttr.KERNELS_INTERPRETED:
+        pytest.skip("kernels were built for the interpreter in this process")
+    return ttr.IMPL
+
+
+def _check(call, out, lse, grads, dout):
+    from dualattn.accuracy import check_outputs
+    checks = check_outputs(call, out, lse, *grads, dout=dout)
+    assert all(c.ok for c in checks), "\n".join(str(c) for c in checks)
+
+
+GPU_FP16 = {"odd 113x203 gqa", "causal sq>sk (empty rows)", "causal+window (20,-1)", "softcap 5 causal",
+            "hd 256", "dv!=d 192/128 causal", "key ranges: documents", "block sparse: documents (64,64)",
+            "varlen causal gqa", "kvcache paged + append causal"}
+GPU_PARAMS = [pytest.param(c, torch.bfloat16, id=f"{c.name}-bf16") for c in CASES] + \
+             [pytest.param(c, torch.float16, id=f"{c.name}-fp16") for c in CASES if c.name in GPU_FP16]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case,dtype", GPU_PARAMS)
+def test_gpu_case(case, dtype):
+    impl = _impl()
+    call = make_call(case, "cuda", dtype, large=True)
+    assert impl.can_implement(call.spec) is None, impl.can_implement(call.spec)
+    before = clone_call(call)
+    out, lse = impl.forward(call)
+    grads, dout = (), None
+    if case.backward:
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(device="cuda", dtype=dtype)
+        grads = impl.backward(call, out, lse, dout)
+    torch.cuda.synchronize()
+    _check(before, out, lse, grads, dout)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["odd 113x203 gqa", "causal sq<sk", "block sparse: random per head (32,32)",
+                                  "varlen causal gqa", "key ranges: documents"])
+def test_gpu_backward_bitwise_deterministic(name):
+    impl = _impl()
+    case = next(c for c in CASES if c.name == name)
+    call = make_call(case, "cuda", torch.bfloat16, large=True)
+    call.spec = replace(call.spec, deterministic=True)  # a no-op: no atomics anywhere
+    out, lse = impl.forward(call)
+    dout = torch.randn_like(out)
+    first = impl.backward(call, out, lse, dout)
+    for _ in range(4):
+        again = impl.backward(call, out, lse, dout)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+    out2, lse2 = impl.forward(call)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("paged", [False, True])
+def test_gpu_decode_cuda_graph(paged):
+    """Capture append + split + combine once; replay with new queries, new tokens and new cache
+    lengths written into the captured tensors; compare each replay with the oracle."""
+    from dualattn import spec as S
+    impl = _impl()
+    case = next(c for c in CASES if c.name == ("kvcache paged + append causal" if paged else "kvcache decode gqa"))
+    call = make_call(case, "cuda", torch.bfloat16, large=True)
+    impl.forward(clone_call(call))  # compile outside the capture
+    torch.cuda.synchronize()
+    S.set_value_checks(False)
+    try:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out, lse = impl.forward(call)
+        gen = torch.Generator().manual_seed(7)
+        cap = call.spec.seqlen_k
+        for step in range(3):
+            call.q.copy_(torch.randn(call.q.shape, generator=gen).to(call.q))
+            n_new = call.spec.num_new_kv
+            call.cache_seqlens.copy_(torch.randint(0, cap - n_new + 1, call.cache_seqlens.shape, generator=gen).to(call.cache_seqlens))
+            if n_new:
+                call.k_new.copy_(torch.randn(call.k_new.shape, generator=gen).to(call.k_new))
+                call.v_new.copy_(torch.randn(call.v_new.shape, generator=gen).to(call.v_new))
+            before = clone_call(call)
+            g.replay()
+            torch.cuda.synchronize()
+            _check(before, out, lse, (), None)
+    finally:
+        S.set_value_checks(True)
