@@ -5,12 +5,13 @@
 in ``can_implement`` with the reason, so impl="auto" falls back.
 
 Compile cache: one compiled kernel per ``compile_key(spec)`` = (kernel name, dtype, D, Dv, causal,
-tile_m, tile_n, stages, pingpong, overlap, arch). Batch, sequence lengths and head counts are dynamic in
+tile_m, tile_n, stages, pingpong, overlap, persistent, arch). Batch, sequence lengths and head counts are dynamic in
 the compiled code, so new shapes reuse the compiled kernel.
 """
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -22,6 +23,10 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 # (tile_n, stages) per head dim; tile_m is 128 (two consumer warpgroups x 64 rows).
 # Sized so Q + stages * (K + V) fits the 227 KB of shared memory (see FlashFwdSm90.__init__).
+# Persistent grid (one CTA per SM walking tiles; overlaps a tile's epilogue with the next tile's
+# loads). DUALATTN_SM90_PERSISTENT=0 selects one CTA per tile (for comparisons).
+_PERSISTENT = os.environ.get("DUALATTN_SM90_PERSISTENT", "1") != "0"
+
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
 _TORCH_TO_CUTLASS = None
@@ -33,6 +38,16 @@ def _cutlass_dtype(dtype: torch.dtype):
         import cutlass
         _TORCH_TO_CUTLASS = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
     return _TORCH_TO_CUTLASS[dtype]
+
+
+_NUM_SMS = {}
+
+
+def _num_sms(device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _NUM_SMS:
+        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _NUM_SMS[idx]
 
 
 class FastSm90Forward:
@@ -76,12 +91,12 @@ class FastSm90Forward:
 
     # -- compile -------------------------------------------------------------------------------
     @staticmethod
-    def config(spec) -> Tuple[int, int, int, bool, bool]:
-        """(tile_m, tile_n, stages, pingpong, intra-warpgroup overlap) for this spec."""
+    def config(spec) -> Tuple[int, int, int, bool, bool, bool]:
+        """(tile_m, tile_n, stages, pingpong, intra-warpgroup overlap, persistent)."""
         tile_n, stages = TILE_CONFIG[spec.head_dim]
         # ping-pong pays off where the softmax is a large share of the work (D <= 128); at larger
         # D the GEMMs dominate and the extra barrier only serialises (FA3 makes the same choice)
-        return 128, tile_n, stages, spec.head_dim <= 128, True
+        return 128, tile_n, stages, spec.head_dim <= 128, True, _PERSISTENT
 
     def compile_key(self, spec, arch: int):
         return ("sm90_fwd", str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
@@ -89,9 +104,9 @@ class FastSm90Forward:
 
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
-        _, tile_n, stages, pingpong, overlap = self.config(spec)
+        _, tile_n, stages, pingpong, overlap, persistent = self.config(spec)
         return FlashFwdSm90(_cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v,
-                            spec.causal, tile_n, stages, pingpong, overlap)
+                            spec.causal, tile_n, stages, pingpong, overlap, persistent)
 
     @staticmethod
     def fake_args(spec):
@@ -110,7 +125,7 @@ class FastSm90Forward:
             cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
             stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
         return (t4(spec.head_dim), t4(spec.head_dim), t4(spec.head_dim_v), t4(spec.head_dim_v),
-                lse, cutlass.Float32(1.0), cute.runtime.make_fake_stream())
+                lse, cutlass.Float32(1.0), cutlass.Int32(132), cute.runtime.make_fake_stream())
 
     def compile_only(self, spec, arch: int = 90, keep_ptx: bool = True):
         """Trace and assemble for ``arch`` without a GPU; returns the compiled object."""
@@ -153,6 +168,7 @@ class FastSm90Forward:
 
         args = (cute_t(q, 16), cute_t(k, 16), cute_t(v, 16), cute_t(out, 16), cute_t(lse, 4),
                 cutlass.Float32(spec.scale * math.log2(math.e)),
+                cutlass.Int32(_num_sms(q.device)),
                 cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
         arch = target_arch(dispatch.device_arch(q.device.index or 0))
         key = self.compile_key(spec, arch)

@@ -96,7 +96,8 @@ class FlashFwdSm90:
     num_mma_regs = 240
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
-                 num_stages: int, pingpong: bool = True, overlap: bool = True):
+                 num_stages: int, pingpong: bool = True, overlap: bool = True,
+                 persistent: bool = True):
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
@@ -105,6 +106,7 @@ class FlashFwdSm90:
         self.num_stages = num_stages
         self.pingpong = pingpong
         self.overlap = overlap
+        self.persistent = persistent
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
@@ -122,7 +124,7 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale_log2: Float32, stream):
+                 mLSE: cute.Tensor, softmax_scale_log2: Float32, num_sms: Int32, stream):
         """mQ/mO (B, Sq, Hq, D[v]), mK/mV (B, Sk, Hkv, D[v]), mLSE (B, Hq, Sq) fp32."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mO.element_type != self.dtype):
@@ -183,6 +185,9 @@ class FlashFwdSm90:
 
         num_m_blocks = cute.ceil_div(mQ.shape[0], BM)
         grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        if const_expr(self.persistent):
+            # one CTA per SM (shared memory allows one), each walking tiles with a stride
+            grid = (cutlass.min(self.num_tiles(mQ), num_sms), 1, 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
             softmax_scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
@@ -209,7 +214,6 @@ class FlashFwdSm90:
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, head_idx, batch_idx = cute.arch.block_idx()
 
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -244,69 +248,104 @@ class FlashFwdSm90:
         sVt = cute.composition(
             sV, cute.make_ordered_layout((Dv, BN, self.num_stages), order=(1, 0, 2)))
 
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
-        num_m_blocks = cute.ceil_div(seqlen_q, BM)
-        # causal: heaviest query blocks first (the grid launches low block ids first)
-        m_block = bidx
-        if const_expr(self.causal):
-            m_block = num_m_blocks - 1 - bidx
-        head_kv = head_idx // (cute.size(mQ.shape[2]) // cute.size(mK.shape[2]))
-        n_block_max = cute.ceil_div(seqlen_k, BN)
-        if const_expr(self.causal):
-            # last visible key of the tile's last row: (m_block+1)*BM - 1 + Sk - Sq
-            n_block_max = cutlass.min(
-                n_block_max,
-                cute.ceil_div(cutlass.max((m_block + 1) * BM + seqlen_k - seqlen_q, 0), BN))
-
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                             pipe_q, pipe_k, pipe_v, m_block, head_idx, head_kv, batch_idx,
-                             n_block_max)
+                             pipe_q, pipe_k, pipe_v)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
-            self.consume(tma_atom_O, mO, mLSE, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
-                         tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128, m_block,
-                         head_idx, batch_idx, n_block_max, seqlen_q, seqlen_k)
+            self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
+                         tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def num_tiles(self, mQ):
+        return cute.ceil_div(mQ.shape[0], self.tile_m) * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
+
+    @cute.jit
+    def tile_coords(self, tile, mQ, mK):
+        """(m_block, head, head_kv, batch, n_block_max) of a linear tile index.
+
+        Non-causal: m_block varies fastest, so CTAs running together share a head's K/V in L2.
+        Causal: the heaviest query blocks come first (longest-processing-time first), which the
+        round-robin assignment of the persistent grid (or the launch order) then balances.
+        """
+        BM, BN = self.tile_m, self.tile_n
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+        num_m_blocks = cute.ceil_div(seqlen_q, BM)
+        num_heads = cute.size(mQ.shape[2])
+        m_block = tile % num_m_blocks
+        rest = tile // num_m_blocks
+        if const_expr(self.causal):
+            hb = num_heads * cute.size(mQ.shape[3])
+            m_block = num_m_blocks - 1 - tile // hb
+            rest = tile % hb
+        head = rest % num_heads
+        batch = rest // num_heads
+        head_kv = head // (num_heads // cute.size(mK.shape[2]))
+        n_block_max = cute.ceil_div(seqlen_k, BN)
+        if const_expr(self.causal):
+            # keys visible to the tile's last row: j < (m_block+1)*BM + Sk - Sq
+            n_block_max = cutlass.min(
+                n_block_max,
+                cute.ceil_div(cutlass.max((m_block + 1) * BM + seqlen_k - seqlen_q, 0), BN))
+        return m_block, head, head_kv, batch, n_block_max
+
+    @cute.jit
+    def first_tile_and_step(self):
+        bx, by, bz = cute.arch.block_idx()
+        gx, gy, _ = cute.arch.grid_dim()
+        tile = bx
+        step = gx
+        if const_expr(not self.persistent):
+            tile = bx + gx * (by + gy * bz)
+            step = gx * gy * cute.arch.grid_dim()[2]
+        return tile, step
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                pipe_q, pipe_k, pipe_v, m_block, head_idx, head_kv, batch_idx, n_block_max):
+                pipe_q, pipe_k, pipe_v):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
-                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
-                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
-                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for i in cutlass.range(n_block_max, unroll=1):
-            n_block = n_block_max - 1 - i
-            pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
+        tile, step = self.first_tile_and_step()
+        total = self.num_tiles(mQ)
+        while tile < total:
+            m_block, head_idx, head_kv, batch_idx, n_block_max = self.tile_coords(tile, mQ, mK)
+            gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+                                               cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+                                               cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+            # Q's buffer is free once the previous tile's O store has read it (see consume)
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+            for i in cutlass.range(n_block_max, unroll=1):
+                n_block = n_block_max - 1 - i
+                pipe_k.producer_acquire(kv_state)
+                cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                kv_state.advance()
+            tile += step
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def consume(self, tma_atom_O, mO, mLSE, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
-                tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx, m_block, head_idx,
-                batch_idx, n_block_max, seqlen_q, seqlen_k):
+    def consume(self, tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
+                tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_slice_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_slice_pv = tiled_mma_pv.get_slice(wg * 128)
@@ -317,100 +356,110 @@ class FlashFwdSm90:
         tSrK = wg_slice_qk.make_fragment_B(wg_slice_qk.partition_B(sK))        # (MMA, 1, D/16, st)
         tOrVt = wg_slice_pv.make_fragment_B(wg_slice_pv.partition_B(sVt))      # (MMA, 1, BN/16, st)
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((BM, Dv)), Float32)
-        acc_O.fill(0.0)
         acc_O_mn = cute.make_tensor(acc_O.iterator, _acc_mn_layout(acc_O.layout))
+        tOrP = cute.make_rmem_tensor(_frg_a_shape(thr_mma_qk.partition_shape_C((BM, BN))),
+                                     self.dtype)
 
         # element coordinates of this thread's accumulator entries, (row, col) within the tile
         cS = cute.make_identity_tensor((BM, BN))
         tScS = thr_mma_qk.partition_C(cS)
         tScS_mn = cute.make_tensor(tScS.iterator, _acc_mn_layout(tScS.layout))
         num_rows = cute.size(tScS_mn, mode=[0])
-        num_cols = cute.size(tScS_mn, mode=[1])
 
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
-        row_max.fill(-Float32.inf)
-        row_sum.fill(0.0)
+        lse = cute.make_rmem_tensor((num_rows,), Float32)
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                        num_bits_per_copy=2 * self.dtype.width)
+        thr_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv).get_slice(tidx)
+        tOsO_r2s = thr_copy_O.partition_D(sO)
 
-        # ping-pong: warpgroup 0 goes first
+        # ping-pong: warpgroup 0 goes first. Each later Q K^T issue of one warpgroup waits for the
+        # other's; the last arrive of a tile is the first "go" of the next one.
         if const_expr(self.pingpong):
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED, number_of_threads=256)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_q.consumer_wait(q_state)
-
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        # blocks that need the element mask: the sequence tail and, for causal, the diagonal
-        n_masked = 1
-        if const_expr(self.causal):
-            # first block (from the right) fully visible to the tile's first row
-            first_row_limit = m_block * BM + seqlen_k - seqlen_q + 1  # keys < this are visible
-            n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
-            n_masked = cutlass.max(n_block_max - n_block_unmasked_end, 1)
-        n_masked = cutlass.min(n_masked, n_block_max)
-        ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
-                   tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
-                   tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
-                   row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
-                   m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg)
-        if const_expr(not self.overlap):
-            for i in cutlass.range(n_masked, unroll=1):
-                kv_state = self.one_block(ctx, True, n_block_max - 1 - i, kv_state)
-            for i in cutlass.range(n_block_max - n_masked, unroll=1):
-                kv_state = self.one_block(ctx, False, n_block_max - n_masked - 1 - i, kv_state)
-        else:
-            # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
-            # together while the softmax of S_{j+1} runs on the CUDA cores
-            tOrP = cute.make_rmem_tensor(
-                _frg_a_shape(thr_mma_qk.partition_shape_C((BM, BN))), self.dtype)
-            if n_block_max > 0:
-                self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP)
-                for i in cutlass.range(n_masked - 1, unroll=1):
-                    kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state, tOrP)
+        tile, step = self.first_tile_and_step()
+        total = self.num_tiles(mQ)
+        while tile < total:
+            m_block, head_idx, head_kv, batch_idx, n_block_max = self.tile_coords(tile, mQ, mK)
+            acc_O.fill(0.0)
+            row_max.fill(-Float32.inf)
+            row_sum.fill(0.0)
+            # blocks that need the element mask: the sequence tail and, for causal, the diagonal
+            n_masked = 1
+            if const_expr(self.causal):
+                # blocks left of the one holding key (first row's last visible key + 1) are full
+                first_row_limit = m_block * BM + seqlen_k - seqlen_q + 1
+                n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
+                n_masked = cutlass.max(n_block_max - n_block_unmasked_end, 1)
+            n_masked = cutlass.min(n_masked, n_block_max)
+            ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
+                       tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
+                       tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
+                       row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
+                       m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg)
+            pipe_q.consumer_wait(q_state)
+            if const_expr(not self.overlap):
+                for i in cutlass.range(n_masked, unroll=1):
+                    kv_state = self.one_block(ctx, True, n_block_max - 1 - i, kv_state)
                 for i in cutlass.range(n_block_max - n_masked, unroll=1):
-                    kv_state = self.overlapped_block(
-                        ctx, False, n_block_max - n_masked - 1 - i, kv_state, tOrP)
-                self.last_half_block(ctx, kv_state, tOrP)
+                    kv_state = self.one_block(ctx, False, n_block_max - n_masked - 1 - i, kv_state)
+            else:
+                # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
+                # together while the softmax of S_{j+1} runs on the CUDA cores
+                if n_block_max > 0:
+                    self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP)
+                    for i in cutlass.range(n_masked - 1, unroll=1):
+                        kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
+                                                         tOrP)
+                    for i in cutlass.range(n_block_max - n_masked, unroll=1):
+                        kv_state = self.overlapped_block(
+                            ctx, False, n_block_max - n_masked - 1 - i, kv_state, tOrP)
+                    kv_state = self.last_half_block(ctx, kv_state, tOrP)
 
-        # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
-        lse = cute.make_rmem_tensor((num_rows,), Float32)
-        for r in cutlass.range_constexpr(num_rows):
-            s = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-            inv = Float32(0.0)
-            lse[r] = -Float32.inf
-            if s > 0.0:
-                inv = cute.arch.rcp_approx(s)
-                lse[r] = (row_max[r] * softmax_scale_log2 + cute.math.log2(s, fastmath=True)) * LN_2
-            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
-
-        # LSE: the first thread of each quad owns its two rows
-        if tidx % 4 == 0:
+            # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
             for r in cutlass.range_constexpr(num_rows):
-                row = m_block * BM + tScS_mn[r, 0][0]
-                if row < seqlen_q:
-                    mLSE[row, head_idx, batch_idx] = lse[r]
+                sm = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+                inv = Float32(0.0)
+                lse[r] = -Float32.inf
+                if sm > 0.0:
+                    inv = cute.arch.rcp_approx(sm)
+                    lse[r] = (row_max[r] * softmax_scale_log2
+                              + cute.math.log2(sm, fastmath=True)) * LN_2
+                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                    acc_O_mn[r, c] = acc_O_mn[r, c] * inv
 
-        # ---- O: registers -> shared (Q's buffer, free once both warpgroups' GEMMs are done)
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
-        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-        rO.store(acc_O.load().to(self.dtype))
-        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                        num_bits_per_copy=2 * self.dtype.width)
-        smem_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv)
-        thr_copy_O = smem_copy_O.get_slice(tidx)
-        cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
-        if tidx < 32:
-            gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2),
-                                               cute.group_modes(gO, 0, 2))
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # LSE: the first thread of each quad owns its two rows
+            if tidx % 4 == 0:
+                for r in cutlass.range_constexpr(num_rows):
+                    row = m_block * BM + tScS_mn[r, 0][0]
+                    if row < seqlen_q:
+                        mLSE[row, head_idx, batch_idx] = lse[r]
+
+            # ---- O: registers -> shared (Q's buffer, free once both warpgroups' GEMMs are done)
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+            rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+            rO.store(acc_O.load().to(self.dtype))
+            cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+            if tidx < 32:
+                gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
+                tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                                   cute.group_modes(sO, 0, 2),
+                                                   cute.group_modes(gO, 0, 2))
+                cute.copy(tma_atom_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # the store has read Q/O's buffer: hand it back to the producer for the next Q
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+            pipe_q.consumer_release(q_state)
+            q_state.advance()
+            tile += step
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -554,6 +603,8 @@ class FlashFwdSm90:
                   False)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
 
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
