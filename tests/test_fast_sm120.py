@@ -121,6 +121,36 @@ def test_varlen(D, causal):
     _run_and_check(build_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=causal, return_lse=True))
 
 
+@pytest.mark.parametrize("D,block", [(64, (128, 128)), (128, (128, 128)), (128, (256, 64)), (256, (64, 128))])
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_test
+def test_block_sparse_random(D, block, causal):
+    from dualattn.sparse import BlockSparse
+    B, Sq, Sk, H = 2, 300, 517, 4
+    nq, nk = -(-Sq // block[0]), -(-Sk // block[1])
+    g = torch.Generator().manual_seed(D + block[0] + causal)
+    # per (batch, head) random ABSENT/MASK/FULL states; some query blocks list nothing
+    states = torch.randint(0, 3, (B, H, nq, nk), generator=g, dtype=torch.int8)
+    states[0, 1, 0, :] = 0
+    bs = BlockSparse.from_block_states(states.cuda(), block[0], block[1], Sq, Sk)
+    q, k, v = _qkv(B, Sq, Sk, H, 2, D, torch.bfloat16)
+    _run_and_check(build_dense(q, k, v, causal=causal, block_sparse=bs, return_lse=True))
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (100, 0)])
+@gpu_test
+def test_block_sparse_exact_csr_matches_dense(window):
+    # the exact CSR of a predicate gives the same result as the predicate alone
+    from dualattn.sparse import BlockSparse
+    q, k, v = _qkv(1, 400, 400, 2, 2, 64, torch.float16)
+    bs = BlockSparse.from_key_ranges(None, 400, 400, 128, 128, causal=True, window=window).to("cuda")
+    out_bs, lse_bs = _run_and_check(build_dense(q, k, v, causal=True, window=window, block_sparse=bs,
+                                                return_lse=True))
+    out, lse = _impl().forward(build_dense(q, k, v, causal=True, window=window, return_lse=True))
+    assert (out_bs.float() - out.float()).abs().max() < 1e-2
+    assert torch.allclose(lse_bs, lse, atol=1e-4, rtol=0, equal_nan=False)
+
+
 @gpu_test
 def test_scale_and_noncontiguous():
     q, k, v = _qkv(2, 100, 120, 4, 4, 64, torch.float16)
@@ -163,7 +193,7 @@ def _spec(**kw):
     (dict(head_dim=80, head_dim_v=80), "head dim"),
     (dict(head_dim_v=64), "head_dim_v"),
     (dict(num_key_ranges=2), "key_ranges"),
-    (dict(block_size=(128, 128)), "block-sparse"),
+    (dict(block_size=(64, 64), head_dim=64, head_dim_v=64), "block size"),
     (dict(device_type="cpu"), "CUDA"),
 ])
 def test_can_implement_refuses_with_reason(kw, words):

@@ -33,3 +33,10 @@ def block_needs_mask(m_block: Int32, n_block: Int32, tile_m: cutlass.Constexpr, 
     if cutlass.const_expr(has_left):
         need = need or (n_block * tile_n < m_block * tile_m + tile_m - 1 + seqlen_k - seqlen_q - win_left)
     return need
+
+
+@cute.jit
+def csr_row(rowptr: cute.Tensor, base: Int32, row: Int32):
+    """(first entry, entry count) of CSR row ``row``; ``base`` offsets to the (batch, head) slice."""
+    lo = rowptr[base + row]
+    return lo, rowptr[base + row + 1] - lo

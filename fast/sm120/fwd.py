@@ -24,10 +24,10 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Boolean, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from dualattn.fast.common.block_info import block_needs_mask, n_block_range
+from dualattn.fast.common.block_info import block_needs_mask, csr_row, n_block_range
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
 from dualattn.fast.common.mask import apply_mask
 from dualattn.fast.common.seqlen_info import seq_bounds
@@ -66,7 +66,7 @@ class FlashFwdSm80:
     """Kernel object for one static configuration; build via ``FlashFwdSm80(...)`` then ``cute.compile``."""
 
     def __init__(self, dtype, head_dim: int, cfg: TileConfig, *, varlen: bool, has_left: bool,
-                 has_right: bool, has_softcap: bool):
+                 has_right: bool, has_softcap: bool, block_sparse: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m, self.tile_n, self.num_threads = cfg.tile_m, cfg.tile_n, cfg.num_threads
@@ -74,6 +74,7 @@ class FlashFwdSm80:
         self.has_left = has_left
         self.has_right = has_right
         self.has_softcap = has_softcap
+        self.block_sparse = block_sparse
         assert self.tile_m % (16 * (self.num_threads // 32)) == 0, "whole m16 row slabs per warp"
         assert head_dim % 32 == 0
 
@@ -85,6 +86,9 @@ class FlashFwdSm80:
                  num_batch: Int32, heads_q: Int32, heads_kv: Int32,
                  lse_stride_h: Int32, lse_stride_b: Int32, win_left: Int32, win_right: Int32,
                  scale_log2: Float32, softcap_scale: Float32, softcap: Float32,
+                 pFR: cute.Pointer, pFC: cute.Pointer, pMR: cute.Pointer, pMC: cute.Pointer,
+                 bs_ratio_m: Int32, bs_ratio_n: Int32, f_rp_sb: Int32, f_rp_sh: Int32, f_col_sb: Int32,
+                 f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32,
                  stream):
         D = self.head_dim
         # contiguous (rows, heads, D): the row stride is heads * D, a multiple of 8 elements since
@@ -95,6 +99,12 @@ class FlashFwdSm80:
         mV = cute.make_tensor(pV, cute.make_layout((total_k, heads_kv, D), stride=(cute.assume(heads_kv * D, divby=32), D, 1)))
         mCuQ = cute.make_tensor(pCuQ, cute.make_layout(num_batch + 1))
         mCuK = cute.make_tensor(pCuK, cute.make_layout(num_batch + 1))
+        # block-sparse CSR arrays, flat: entry (b, h, i) sits at b * sb + h * sh + i, and a stride of
+        # 0 broadcasts a size-1 batch or head dimension
+        flat = cute.make_layout(1 << 30)
+        bs = (cute.make_tensor(pFR, flat), cute.make_tensor(pFC, flat), cute.make_tensor(pMR, flat),
+              cute.make_tensor(pMC, flat), bs_ratio_m, bs_ratio_n, f_rp_sb, f_rp_sh, f_col_sb, f_col_sh,
+              m_rp_sb, m_rp_sh, m_col_sb, m_col_sh)
 
         s_layout, k_atom = smem_layout_rowmajor(self.dtype, self.tile_m, D)
         skv_layout, _ = smem_layout_rowmajor(self.dtype, self.tile_n, D)
@@ -123,7 +133,7 @@ class FlashFwdSm80:
         grid = (cute.ceil_div(seqlen_q, self.tile_m), heads_q, num_batch)
         self.kernel(mQ, mK, mV, mO, pLSE, mCuQ, mCuK, seqlen_q, seqlen_k, heads_q, heads_kv,
                     lse_stride_h, lse_stride_b, win_left, win_right, scale_log2, softcap_scale, softcap,
-                    s_layout, skv_layout, g2s, s2g, tiled_mma, Smem).launch(
+                    *bs, s_layout, skv_layout, g2s, s2g, tiled_mma, Smem).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device code
@@ -132,7 +142,10 @@ class FlashFwdSm80:
                mCuQ: cute.Tensor, mCuK: cute.Tensor, seqlen_q_arg: Int32, seqlen_k_arg: Int32,
                heads_q: Int32, heads_kv: Int32, lse_stride_h: Int32, lse_stride_b: Int32,
                win_left: Int32, win_right: Int32, scale_log2: Float32, softcap_scale: Float32,
-               softcap: Float32, s_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
+               softcap: Float32, mFR: cute.Tensor, mFC: cute.Tensor, mMR: cute.Tensor, mMC: cute.Tensor,
+               bs_ratio_m: Int32, bs_ratio_n: Int32, f_rp_sb: Int32, f_rp_sh: Int32, f_col_sb: Int32,
+               f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32,
+               s_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
                g2s: cute.TiledCopy, s2g: cute.TiledCopy, tiled_mma: cute.TiledMma,
                Smem: cutlass.Constexpr):
         D = self.head_dim
@@ -151,8 +164,20 @@ class FlashFwdSm80:
             n_min, n_max = n_block_range(m_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left, win_right,
                                          self.has_left, self.has_right)
             n_iters = cutlass.max(n_max - n_min, 0)
+            f_col0 = Int32(0)
+            m_col0 = Int32(0)
+            m_cnt = Int32(0)
+            if cutlass.const_expr(self.block_sparse):
+                # this query tile's CSR rows: mask blocks are visited first, then full blocks;
+                # each CSR key block covers bs_ratio_n key tiles of this kernel
+                f_col0, f_cnt = csr_row(mFR, f_rp_sb * batch + f_rp_sh * head, m_block // bs_ratio_m)
+                m_col0, m_cnt = csr_row(mMR, m_rp_sb * batch + m_rp_sh * head, m_block // bs_ratio_m)
+                f_col0 = f_col0 + f_col_sb * batch + f_col_sh * head
+                m_col0 = m_col0 + m_col_sb * batch + m_col_sh * head
+                n_iters = (f_cnt + m_cnt) * bs_ratio_n
+            visit = (n_max, mFC, mMC, f_col0, m_col0, m_cnt, bs_ratio_n)
 
-            smem = cutlass.utils.SmemAllocator()
+            smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(Smem)
             sQ = st.sQ.get_tensor(s_layout)
             sK = st.sK.get_tensor(skv_layout)
@@ -205,11 +230,11 @@ class FlashFwdSm80:
             # prologue: Q (rows past seqlen_q zero-filled) and the first K block
             self.load_rows(g2s, tQgQ, tQsQ, tQcQ, seqlen_q)
             if n_iters > 0:
-                self.load_kv(g2s, tKgK, tKsK, tKcK, n_max - 1, seqlen_k)
+                self.load_kv(g2s, tKgK, tKsK, tKcK, self.block_at(Int32(0), *visit)[0], seqlen_k)
             cute.arch.cp_async_commit_group()
 
             for it in cutlass.range(n_iters, unroll=1):
-                n_block = n_max - 1 - it
+                n_block, is_mask_entry = self.block_at(it, *visit)
                 cute.arch.cp_async_wait_group(0)
                 bar.arrive_and_wait()  # K[n] landed; every warp is done with V[n+1]
                 self.load_kv(g2s, tVgV, tVsV, tKcK, n_block, seqlen_k)
@@ -222,7 +247,7 @@ class FlashFwdSm80:
                 cute.arch.cp_async_wait_group(0)
                 bar.arrive_and_wait()  # V[n] landed; every warp is done reading K[n]
                 if it + 1 < n_iters:
-                    self.load_kv(g2s, tKgK, tKsK, tKcK, n_block - 1, seqlen_k)
+                    self.load_kv(g2s, tKgK, tKsK, tKcK, self.block_at(it + 1, *visit)[0], seqlen_k)
                     cute.arch.cp_async_commit_group()
 
                 acc_S_mn = acc_mn_view(acc_S)
@@ -230,8 +255,12 @@ class FlashFwdSm80:
                     # s = cap * tanh(s * scale / cap), in natural-log units; exp2 uses log2(e) only
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = softcap * cute.math.tanh(acc_S[i] * softcap_scale, fastmath=True)
-                if block_needs_mask(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left, win_right,
-                                    self.has_left, self.has_right):
+                need_mask = block_needs_mask(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left,
+                                             win_right, self.has_left, self.has_right)
+                if cutlass.const_expr(self.block_sparse):
+                    # a full block is the caller's promise that the predicate holds: only the tail
+                    need_mask = (n_block + 1) * tile_n > seqlen_k or (is_mask_entry and need_mask)
+                if need_mask:
                     apply_mask(acc_S_mn, tScS_mn, m_block * tile_m, n_block * tile_n, seqlen_q, seqlen_k,
                                win_left, win_right, self.has_left, self.has_right)
                 online_softmax_step(row_max, row_sum, sm_scale_log2, acc_S_mn, acc_O_mn)
@@ -251,6 +280,9 @@ class FlashFwdSm80:
             rO = cute.make_fragment_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
 
+            # with no key block to visit the Q copies were never waited for; they must land before
+            # sQ becomes sO, or they would overwrite O
+            cute.arch.cp_async_wait_group(0)
             bar.arrive_and_wait()  # all warps done with sQ before it becomes sO
             sO = cute.make_tensor(sQ.iterator, s_layout)
             r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), tiled_mma)
@@ -279,6 +311,23 @@ class FlashFwdSm80:
             for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
                 if tOcO[0, m, 0][0] < seqlen_q:
                     cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def block_at(self, it: Int32, n_max: Int32, mFC: cute.Tensor, mMC: cute.Tensor, f_col0: Int32, m_col0: Int32,
+                 m_cnt: Int32, ratio_n: Int32):
+        """(key tile, from a mask entry?) of visit number ``it``."""
+        n_block = n_max - 1 - it  # dense: backwards, so the tail and the diagonal come first
+        is_mask = Boolean(True)
+        if cutlass.const_expr(self.block_sparse):
+            e = it // ratio_n
+            col = Int32(0)
+            is_mask = e < m_cnt
+            if is_mask:
+                col = mMC[m_col0 + e]
+            else:
+                col = mFC[f_col0 + e - m_cnt]
+            n_block = col * ratio_n + (it - e * ratio_n)
+        return n_block, is_mask
 
     @cute.jit
     def gemm_ss(self, tiled_mma, acc, ld_a, ld_b, tAs, tAr_v, tBs, tBr_v, tAr, tBr):

@@ -40,14 +40,14 @@ def compile_key(spec, arch: int) -> tuple:
     has_left, has_right, _, _ = window_bounds(spec)
     cfg = tile_config(spec.head_dim)
     return ("fwd", str(spec.dtype), spec.head_dim, spec.head_dim_v, cfg, spec.mode == "varlen",
-            has_left, has_right, spec.softcap > 0, arch)
+            has_left, has_right, spec.softcap > 0, spec.has_block_sparse, arch)
 
 
 def build_kernel(key: tuple) -> FlashFwdSm80:
-    _, dt, d, _dv, cfg, varlen, has_left, has_right, has_softcap, _arch = key
+    _, dt, d, _dv, cfg, varlen, has_left, has_right, has_softcap, block_sparse, _arch = key
     torch_dt = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16}[dt]
     return FlashFwdSm80(_cutlass_dtype(torch_dt), d, cfg, varlen=varlen, has_left=has_left,
-                        has_right=has_right, has_softcap=has_softcap)
+                        has_right=has_right, has_softcap=has_softcap, block_sparse=block_sparse)
 
 
 def compile_args(kernel_dtype, ptrs=None, stream=None):
@@ -61,10 +61,11 @@ def compile_args(kernel_dtype, ptrs=None, stream=None):
         return cute.runtime.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=align)
 
     if ptrs is None:
-        ptrs = (1 << 20,) * 7
-    q, k, v, o, lse, cuq, cuk = ptrs
+        ptrs = (1 << 20,) * 11
+    q, k, v, o, lse, cuq, cuk, fr, fc, mr, mc = ptrs
     p = [ptr(kernel_dtype, q, 16), ptr(kernel_dtype, k, 16), ptr(kernel_dtype, v, 16),
-         ptr(kernel_dtype, o, 16), ptr(Float32, lse, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4)]
+         ptr(kernel_dtype, o, 16), ptr(Float32, lse, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4),
+         ptr(Int32, fr, 4), ptr(Int32, fc, 4), ptr(Int32, mr, 4), ptr(Int32, mc, 4)]
     return p, (stream if stream is not None else cuda.CUstream(0))
 
 
@@ -78,8 +79,8 @@ def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
 
     kern = build_kernel(key)
     p, stream = compile_args(kern.dtype)
-    scalars = [Int32(1)] * 11 + [Float32(1.0)] * 3
-    fn = cute.compile(kern, *p, *scalars, stream, options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
+    args = p[:7] + [Int32(1)] * 11 + [Float32(1.0)] * 3 + p[7:] + [Int32(1)] * 10
+    fn = cute.compile(kern, *args, stream, options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
     return fn, kern
 
 
@@ -105,12 +106,15 @@ class FastSm120Forward:
             return f"head dim {spec.head_dim} not supported (multiples of 32 up to 256)"
         if spec.has_key_ranges:
             return "key_ranges not supported"
+        cfg = tile_config(spec.head_dim)
         if spec.has_block_sparse:
-            return "block-sparse CSR not supported"
+            bm, bn = spec.block_size
+            if bm % cfg.tile_m or bn % cfg.tile_n:
+                return (f"block-sparse block size {spec.block_size} must be a multiple of the kernel tile "
+                        f"({cfg.tile_m}, {cfg.tile_n}) at head dim {spec.head_dim}")
         rows = spec.batch * max(spec.seqlen_q, spec.seqlen_k)
         if rows * max(spec.num_heads_q, spec.num_heads_kv) * spec.head_dim > _I32_MAX:
             return "tensors over 2**31 elements (32-bit indexing)"
-        cfg = tile_config(spec.head_dim)
         if cfg.smem_bytes(spec.head_dim, spec.head_dim_v) > SMEM_LIMIT_SM120:
             return "tile does not fit 99 KB of shared memory"
         if spec.device_type != "cuda":
@@ -152,16 +156,37 @@ class FastSm120Forward:
         softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
         cu_q = call.cu_seqlens_q if varlen else None
         cu_k = call.cu_seqlens_k if varlen else None
+        bs_ptrs, bs_ints = _block_sparse_args(call, q3)
         ptrs = (q3.data_ptr(), k3.data_ptr(), v3.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                (cu_q if varlen else q3).data_ptr(), (cu_k if varlen else q3).data_ptr())
+                (cu_q if varlen else q3).data_ptr(), (cu_k if varlen else q3).data_ptr()) + bs_ptrs
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         p, stream = compile_args(_cutlass_dtype(spec.dtype), ptrs, stream)
-        fn(*p, total_q, max(total_k, 1), spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv,
-           lse_sh, lse_sb, wl, wr, scale_log2, softcap_scale, float(spec.softcap), stream)
+        fn(*p[:7], total_q, max(total_k, 1), spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv,
+           lse_sh, lse_sb, wl, wr, scale_log2, softcap_scale, float(spec.softcap), *p[7:], *bs_ints, stream)
         return out, lse
 
     def backward(self, call, out, lse, dout):
         raise NotImplementedError("fast-sm120 has no backward kernel (can_implement refuses needs_grad)")
+
+
+def _block_sparse_args(call, dummy: torch.Tensor):
+    """Pointers and (ratio_m, ratio_n, strides...) of the q->k CSR arrays; placeholders without one."""
+    bs = call.block_sparse
+    if bs is None:
+        return (dummy.data_ptr(),) * 4, (1,) * 10
+    cfg = tile_config(call.spec.head_dim)
+    full, mask = bs.q2k_full, bs.q2k_mask
+    arrays, strides = [], []
+    keep = []
+    for csr in (full, mask):
+        rp, col = csr.rowptr.contiguous(), csr.col.contiguous()
+        keep += [rp, col]
+        arrays += [rp.data_ptr(), col.data_ptr()]
+        # a size-1 batch or head dimension broadcasts: stride 0
+        strides += [rp.stride(0) if rp.shape[0] > 1 else 0, rp.stride(1) if rp.shape[1] > 1 else 0,
+                    col.stride(0) if col.shape[0] > 1 else 0, col.stride(1) if col.shape[1] > 1 else 0]
+    call.extra["_sm120_keepalive"] = keep  # the launch is asynchronous: keep copies alive with the call
+    return tuple(arrays), (bs.block_m // cfg.tile_m, bs.block_n // cfg.tile_n, *strides)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
