@@ -72,7 +72,7 @@ def test_compile_key_is_explicit_and_shape_free():
     a, b = _spec(sq=100, sk=7000), _spec(sq=4096, sk=33)
     assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
-    assert key == ("sm90_fwd", "torch.float16", 192, 192, True, 128, 112, 2, False, True, True, "sm_90a")
+    assert key == ("sm90_fwd", "torch.float16", 192, 192, True, 128, 112, 2, False, True, False, False, "sm_90a")
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
 
 

@@ -23,12 +23,15 @@ import torch
 
 WORKER_TIMEOUT_S = int(os.environ.get("DUALATTN_SM90_TEST_TIMEOUT", "600"))
 
-# (name, B, Sq, Sk, Hq, Hkv, D, dtype, causal)
+# (name, B, Sq, Sk, Hq, Hkv, D, dtype, causal, persistent) ; persistent None = the default
+# choice of FastSm90Forward.config, "0"/"1" forces the grid kind (both code paths stay tested)
 CASES = []
 
 
-def _case(name, B, Sq, Sk, Hq, Hkv, D, dtype="bfloat16", causal=False):
-    CASES.append((f"{name}-{dtype}-d{D}{'-causal' if causal else ''}", B, Sq, Sk, Hq, Hkv, D, dtype, causal))
+def _case(name, B, Sq, Sk, Hq, Hkv, D, dtype="bfloat16", causal=False, persistent=None):
+    tag = "" if persistent is None else f"-persistent{persistent}"
+    CASES.append((f"{name}-{dtype}-d{D}{'-causal' if causal else ''}{tag}", B, Sq, Sk, Hq, Hkv, D,
+                  dtype, causal, persistent))
 
 
 for _d in (64, 128, 96, 192, 256):
@@ -47,17 +50,23 @@ for _c in (False, True):
         _case(f"gqa8to{_hkv}", 2, 300, 300, 8, _hkv, 128, "bfloat16", _c)
     _case("gqa6to2", 1, 257, 129, 6, 2, 64, "bfloat16", _c)   # ratio 3
     _case("gqa7to1", 1, 130, 400, 7, 1, 128, "bfloat16", _c)  # ratio 7
+    for _p in ("0", "1"):
+        for _d in (64, 128, 256):
+            _case("dense", 2, 1000, 1000, 4, 2, _d, "bfloat16", _c, _p)
+        _case("q203k113", 2, 203, 113, 4, 4, 128, "bfloat16", _c, _p)
 
 
 def _run_worker(out_path: str) -> None:
     """Run every case, one JSON line per case on stdout (flushed, so a hang keeps earlier lines)."""
+    import dualattn.fast.sm90 as sm90
     from dualattn.accuracy import check_outputs
     from dualattn.dispatch import select
     from dualattn.spec import build_dense
 
     torch.manual_seed(0)
     with open(out_path, "w") as f:
-        for name, B, Sq, Sk, Hq, Hkv, D, dtype, causal in CASES:
+        for name, B, Sq, Sk, Hq, Hkv, D, dtype, causal, persistent in CASES:
+            sm90._PERSISTENT_ENV = persistent or ""
             dt = getattr(torch, dtype)
             rec = {"name": name}
             try:

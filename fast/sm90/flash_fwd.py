@@ -97,7 +97,7 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
                  num_stages: int, pingpong: bool = True, overlap: bool = True,
-                 persistent: bool = True):
+                 persistent: bool = True, separate_o: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
@@ -107,12 +107,16 @@ class FlashFwdSm90:
         self.pingpong = pingpong
         self.overlap = overlap
         self.persistent = persistent
+        # O staged in its own buffer: Q's buffer is handed back before the epilogue, so the next
+        # tile's Q load overlaps this tile's epilogue (where shared memory allows it)
+        self.separate_o = separate_o
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
         self.smem_bytes = check_smem_budget(
             {
-                "Q/O": self.tile_m * max(head_dim, head_dim_v) * dtype.width // 8,
+                "Q": self.tile_m * head_dim * dtype.width // 8,
+                "O": self.tile_m * head_dim_v * dtype.width // 8 if separate_o else 0,
                 "K": num_stages * tile_n * head_dim * dtype.width // 8,
                 "V": num_stages * tile_n * head_dim_v * dtype.width // 8,
             },
@@ -169,7 +173,10 @@ class FlashFwdSm90:
             "V", self.tx_bytes_v, (BN, Dv), self.dtype.width, self.num_stages,
             producer_arrivals=1, consumer_arrivals=self.num_mma_wg * 4)
 
-        cosize_qo = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
+        cosize_qo = cute.cosize(sQ_layout)
+        cosize_o = cute.cosize(sO_layout) if const_expr(self.separate_o) else 0
+        if const_expr(not self.separate_o):
+            cosize_qo = max(cute.cosize(sQ_layout), cute.cosize(sO_layout))
 
         @cute.struct
         class SharedStorage:
@@ -177,6 +184,7 @@ class FlashFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_qo], 1024]
+            sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_o], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sV_layout)], 1024]
 
@@ -241,7 +249,10 @@ class FlashFwdSm90:
         cute.arch.sync_threads()
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        if const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
+        else:
+            sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         # V^T view (Dv, BN, stages) for the B operand of O += P V
@@ -421,6 +432,11 @@ class FlashFwdSm90:
                             ctx, False, n_block_max - n_masked - 1 - i, kv_state, tOrP)
                     kv_state = self.last_half_block(ctx, kv_state, tOrP)
 
+            if const_expr(self.separate_o):
+                # every GEMM reading Q has completed (wait_group(0) in the last step)
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
+
             # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
             for r in cutlass.range_constexpr(num_rows):
                 sm = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
@@ -440,7 +456,9 @@ class FlashFwdSm90:
                     if row < seqlen_q:
                         mLSE[row, head_idx, batch_idx] = lse[r]
 
-            # ---- O: registers -> shared (Q's buffer, free once both warpgroups' GEMMs are done)
+            # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
+            # done. Separate: free once the previous tile's store was read (warp 0 waited for it
+            # before this barrier).
             cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
@@ -455,10 +473,11 @@ class FlashFwdSm90:
                 cute.copy(tma_atom_O, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-            # the store has read Q/O's buffer: hand it back to the producer for the next Q
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
-            pipe_q.consumer_release(q_state)
-            q_state.advance()
+            if const_expr(not self.separate_o):
+                # the store has read Q/O's buffer: hand it back to the producer for the next Q
+                cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+                pipe_q.consumer_release(q_state)
+                q_state.advance()
             tile += step
 
     # ------------------------------------------------------------------------------------------
