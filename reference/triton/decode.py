@@ -172,13 +172,13 @@ def _num_sms(index: int) -> int:
 
 def choose_num_splits(spec, block_n: int, block_m: int, device) -> int:
     """Static choice from the spec (capacity, not the live lengths, so it needs no sync):
-    enough programs to fill the GPU twice over, at least 4 key blocks per split, at most 64."""
+    about four programs per SM (small tail wave), at least 4 key blocks per split, at most 64."""
     if spec.num_splits > 0:
         return spec.num_splits
     sms = 4 if device.type != "cuda" else _num_sms(device.index or 0)
     work = spec.batch * spec.num_heads_kv * triton.cdiv(spec.seqlen_q * spec.gqa_ratio, block_m)
     kv_blocks = triton.cdiv(spec.seqlen_k, block_n)
-    return max(1, min(triton.cdiv(2 * sms, max(work, 1)), triton.cdiv(kv_blocks, 4), 64))
+    return max(1, min(triton.cdiv(4 * sms, max(work, 1)), triton.cdiv(kv_blocks, 4), 64))
 
 
 def attention_decode(call):
