@@ -6,7 +6,8 @@ per-block limit).
 
 Which configs: compiling all 2 dtypes x 8 head dims x 16 flag combinations per arch takes far
 longer than CI allows, so this compiles a representative set (below) that covers every head dim,
-both dtypes and every flag (varlen, left/right window bound, softcap) at least once for sm_120a,
+both dtypes and every flag (varlen, left/right window bound, softcap, key ranges, block-sparse CSR)
+at least once for sm_120a,
 and the two extreme head dims for sm_80. The flags only add code to the same skeleton; the tile
 config, which decides smem and registers, depends on the head dim alone, and every head dim's
 smem budget is also checked without compiling (test_smem_budget_all_head_dims).
@@ -26,8 +27,10 @@ from dualattn.spec import AttentionSpec  # noqa: E402
 
 SMEM_LIMIT = 99 * 1024
 
-# (arch, dtype, head_dim, varlen, causal, window, softcap)
+# (arch, dtype, head_dim, varlen, causal, window, softcap[, num_key_ranges, block_size])
 CONFIGS = [
+    (120, torch.bfloat16, 128, False, True, (-1, -1), 0.0, 2, (128, 128)),
+    (120, torch.float16, 64, True, False, (-1, -1), 0.0, 1, None),
     (120, torch.bfloat16, 32, False, False, (-1, -1), 0.0),
     (120, torch.bfloat16, 64, False, True, (-1, -1), 0.0),
     (120, torch.float16, 96, True, False, (-1, -1), 0.0),
@@ -42,20 +45,26 @@ CONFIGS = [
 ]
 
 
-def _spec(dtype, d, varlen, causal, window, softcap):
+def _spec(dtype, d, varlen, causal, window, softcap, num_key_ranges=0, block_size=None):
     return AttentionSpec("varlen" if varlen else "batched", 2, 300, 300, 8, 2, d, d, dtype, "cuda",
-                         causal=causal, window=window, softcap=softcap)
+                         causal=causal, window=window, softcap=softcap, num_key_ranges=num_key_ranges,
+                         block_size=block_size)
+
+
+def _id(c):
+    return (f"sm{c[0]}-{str(c[1])[6:]}-d{c[2]}{'-varlen' if c[3] else ''}{'-causal' if c[4] else ''}"
+            f"{'-win' if c[5] != (-1, -1) else ''}{'-softcap' if c[6] else ''}"
+            f"{'-keyranges' if len(c) > 7 and c[7] else ''}{'-blocksparse' if len(c) > 8 and c[8] else ''}")
 
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("arch,dtype,d,varlen,causal,window,softcap", CONFIGS,
-                         ids=[f"sm{c[0]}-{str(c[1])[6:]}-d{c[2]}{'-varlen' if c[3] else ''}{'-causal' if c[4] else ''}"
-                              f"{'-win' if c[5] != (-1, -1) else ''}{'-softcap' if c[6] else ''}" for c in CONFIGS])
-def test_compiles(arch, dtype, d, varlen, causal, window, softcap):
+@pytest.mark.parametrize("cfg", CONFIGS, ids=[_id(c) for c in CONFIGS])
+def test_compiles(cfg):
+    arch, dtype, d, varlen, causal, window, softcap = cfg[:7]
     from dualattn.fast.sm120.impl import FastSm120Forward, compile_key, compile_uncached
 
-    spec = _spec(dtype, d, varlen, causal, window, softcap)
+    spec = _spec(dtype, d, varlen, causal, window, softcap, *cfg[7:])
     # the dispatcher would pick this kernel for the spec (everything but the live-GPU checks)
     reason = FastSm120Forward().can_implement(spec)
     assert reason is None or reason.startswith("no CUDA GPU") or "sm_" in reason, reason

@@ -151,6 +151,47 @@ def test_block_sparse_exact_csr_matches_dense(window):
     assert torch.allclose(lse_bs, lse, atol=1e-4, rtol=0, equal_nan=False)
 
 
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_test
+def test_key_ranges_random(R, causal):
+    B, Sq, Sk, H = 2, 260, 333, 4
+    g = torch.Generator().manual_seed(R * 10 + causal)
+    a = torch.randint(0, Sk + 1, (B, H, Sq, R, 2), generator=g)
+    kr = torch.stack([a.min(-1).values, a.max(-1).values], -1).to(torch.int32)
+    kr[:, :, 5] = 0  # a row whose intervals are all empty: out 0, LSE -inf
+    q, k, v = _qkv(B, Sq, Sk, H, 2, 128, torch.bfloat16)
+    _run_and_check(build_dense(q, k, v, causal=causal, key_ranges=kr.cuda(), return_lse=True))
+
+
+@gpu_test
+def test_key_ranges_documents_broadcast_and_block_sparse():
+    # packed documents (key ranges broadcast over heads), alone and with their exact CSR
+    from dualattn import segments_to_key_ranges
+    from dualattn.sparse import BlockSparse
+    S = 700
+    kr = segments_to_key_ranges([[100, 250, 300], [700]], S, causal=True, device="cuda")
+    q, k, v = _qkv(2, S, S, 4, 4, 64, torch.float16)
+    out, lse = _run_and_check(build_dense(q, k, v, key_ranges=kr, return_lse=True))
+    bs = BlockSparse.from_key_ranges(kr, S, S, 128, 128).to("cuda")
+    out2, lse2 = _run_and_check(build_dense(q, k, v, key_ranges=kr, block_sparse=bs, return_lse=True))
+    assert (out2.float() - out.float()).abs().max() < 1e-2
+
+
+@gpu_test
+def test_key_ranges_varlen():
+    lens = [50, 0, 300]
+    cq = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    T = sum(lens)
+    g = torch.Generator().manual_seed(5)
+    lo = torch.randint(0, 40, (1, 1, T, 1, 1), generator=g)
+    kr = torch.cat([lo, lo + torch.randint(0, 60, lo.shape, generator=g)], -1).clamp(max=50).to(torch.int32).cuda()
+    q = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16)
+    _run_and_check(build_varlen(q, k, v, cq, cq, max(lens), max(lens), key_ranges=kr, return_lse=True))
+
+
 @gpu_test
 def test_scale_and_noncontiguous():
     q, k, v = _qkv(2, 100, 120, 4, 4, 64, torch.float16)
@@ -192,7 +233,7 @@ def _spec(**kw):
     (dict(dtype=torch.float32), "dtype"),
     (dict(head_dim=80, head_dim_v=80), "head dim"),
     (dict(head_dim_v=64), "head_dim_v"),
-    (dict(num_key_ranges=2), "key_ranges"),
+    (dict(num_key_ranges=5), "key ranges"),
     (dict(block_size=(64, 64), head_dim=64, head_dim_v=64), "block size"),
     (dict(device_type="cpu"), "CUDA"),
 ])

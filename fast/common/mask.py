@@ -1,4 +1,4 @@
-"""Element masks on accumulator fragments: sequence tails, bottom-right causal and windows.
+"""Element masks on accumulator fragments: sequence tails, bottom-right causal, windows, key ranges.
 
 Query row i (local to its sequence) sees key j iff ``j < seqlen_k`` and, measured from the
 bottom-right diagonal ``d = i + seqlen_k - seqlen_q``, ``d - left <= j`` (when a left bound
@@ -6,7 +6,7 @@ exists) and ``j <= d + right`` (when a right bound exists; causal is right = min
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Boolean, Float32, Int32
 
 
 @cute.jit
@@ -27,3 +27,66 @@ def apply_mask(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, row0: Int32, col0: I
             j = tScS_mn[0, c][1] + col0
             if j >= hi or j < lo:
                 acc_S_mn[r, c] = -Float32.inf
+
+
+@cute.jit
+def load_key_ranges(mKR: cute.Tensor, base: Int32, row0: Int32, tScS_mn: cute.Tensor, tile_row0: Int32,
+                    seqlen_q: Int32, num_ranges: cutlass.Constexpr):
+    """This thread's rows' ``num_ranges`` half-open key intervals (rows, R, 2) in registers.
+
+    ``mKR`` is flat; row i's intervals start at ``base + (row0 + i) * 2R``. Rows past seqlen_q get
+    empty intervals. Also returns the min lo / max hi over this thread's non-empty intervals.
+    """
+    nrows = cute.size(tScS_mn.shape[0])
+    kr = cute.make_rmem_tensor((nrows, num_ranges, 2), Int32)
+    lo_min = Int32(2 ** 30)
+    hi_max = Int32(0)
+    for r in cutlass.range_constexpr(nrows):
+        i = tScS_mn[r, 0][0] + tile_row0
+        for q in cutlass.range_constexpr(num_ranges):
+            lo = Int32(0)
+            hi = Int32(0)
+            if i < seqlen_q:
+                off = base + (row0 + i) * (2 * num_ranges) + 2 * q
+                lo = mKR[off]
+                hi = mKR[off + 1]
+            kr[r, q, 0] = lo
+            kr[r, q, 1] = hi
+            if lo < hi:
+                lo_min = cutlass.min(lo_min, lo)
+                hi_max = cutlass.max(hi_max, hi)
+    return kr, lo_min, hi_max
+
+
+@cute.jit
+def apply_key_ranges(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, col0: Int32, kr: cute.Tensor,
+                     num_ranges: cutlass.Constexpr):
+    """-inf where key j lies in none of the row's intervals."""
+    for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+            j = tScS_mn[0, c][1] + col0
+            inside = Boolean(False)
+            for q in cutlass.range_constexpr(num_ranges):
+                inside = inside or (j >= kr[r, q, 0] and j < kr[r, q, 1])
+            if not inside:
+                acc_S_mn[r, c] = -Float32.inf
+
+
+@cute.jit
+def cta_min_max(lo: Int32, hi: Int32, red: cute.Tensor, bar):
+    """(min lo, max hi) over the whole CTA: warp butterflies, then one smem slot pair per warp."""
+    for off in cutlass.range_constexpr(5):
+        lo = cutlass.min(lo, cute.arch.shuffle_sync_bfly(lo, offset=16 >> off))
+        hi = cutlass.max(hi, cute.arch.shuffle_sync_bfly(hi, offset=16 >> off))
+    warp_id = cute.arch.warp_idx()
+    nwarps = cute.size(red) // 2
+    if cute.arch.lane_idx() == 0:
+        red[2 * warp_id] = lo
+        red[2 * warp_id + 1] = hi
+    bar.arrive_and_wait()
+    lo = red[0]
+    hi = red[1]
+    for w in cutlass.range_constexpr(1, nwarps):
+        lo = cutlass.min(lo, red[2 * w])
+        hi = cutlass.max(hi, red[2 * w + 1])
+    return lo, hi

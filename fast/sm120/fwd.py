@@ -29,7 +29,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from dualattn.fast.common.block_info import block_needs_mask, csr_row, n_block_range
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
-from dualattn.fast.common.mask import apply_mask
+from dualattn.fast.common.mask import apply_key_ranges, apply_mask, cta_min_max, load_key_ranges
 from dualattn.fast.common.seqlen_info import seq_bounds
 from dualattn.fast.common.softmax import LOG2_E, make_softmax_state, online_softmax_step, softmax_finalize
 
@@ -66,7 +66,7 @@ class FlashFwdSm80:
     """Kernel object for one static configuration; build via ``FlashFwdSm80(...)`` then ``cute.compile``."""
 
     def __init__(self, dtype, head_dim: int, cfg: TileConfig, *, varlen: bool, has_left: bool,
-                 has_right: bool, has_softcap: bool, block_sparse: bool = False):
+                 has_right: bool, has_softcap: bool, block_sparse: bool = False, num_key_ranges: int = 0):
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m, self.tile_n, self.num_threads = cfg.tile_m, cfg.tile_n, cfg.num_threads
@@ -75,6 +75,7 @@ class FlashFwdSm80:
         self.has_right = has_right
         self.has_softcap = has_softcap
         self.block_sparse = block_sparse
+        self.num_key_ranges = num_key_ranges  # R of key_ranges (static: intervals live in registers)
         assert self.tile_m % (16 * (self.num_threads // 32)) == 0, "whole m16 row slabs per warp"
         assert head_dim % 32 == 0
 
@@ -89,6 +90,7 @@ class FlashFwdSm80:
                  pFR: cute.Pointer, pFC: cute.Pointer, pMR: cute.Pointer, pMC: cute.Pointer,
                  bs_ratio_m: Int32, bs_ratio_n: Int32, f_rp_sb: Int32, f_rp_sh: Int32, f_col_sb: Int32,
                  f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32,
+                 pKR: cute.Pointer, kr_sb: Int32, kr_sh: Int32,
                  stream):
         D = self.head_dim
         # contiguous (rows, heads, D): the row stride is heads * D, a multiple of 8 elements since
@@ -104,7 +106,7 @@ class FlashFwdSm80:
         flat = cute.make_layout(1 << 30)
         bs = (cute.make_tensor(pFR, flat), cute.make_tensor(pFC, flat), cute.make_tensor(pMR, flat),
               cute.make_tensor(pMC, flat), bs_ratio_m, bs_ratio_n, f_rp_sb, f_rp_sh, f_col_sb, f_col_sh,
-              m_rp_sb, m_rp_sh, m_col_sb, m_col_sh)
+              m_rp_sb, m_rp_sh, m_col_sb, m_col_sh, cute.make_tensor(pKR, flat), kr_sb, kr_sh)
 
         s_layout, k_atom = smem_layout_rowmajor(self.dtype, self.tile_m, D)
         skv_layout, _ = smem_layout_rowmajor(self.dtype, self.tile_n, D)
@@ -114,6 +116,7 @@ class FlashFwdSm80:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(s_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(skv_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(skv_layout)], 1024]
+            red: cute.struct.Align[cute.struct.MemRange[Int32, 2 * (self.num_threads // 32)], 16]
 
         # recorded at trace time so compile-only tests can check the 99 KB budget of sm_120
         self.smem_bytes = Smem.size_in_bytes()
@@ -145,7 +148,7 @@ class FlashFwdSm80:
                softcap: Float32, mFR: cute.Tensor, mFC: cute.Tensor, mMR: cute.Tensor, mMC: cute.Tensor,
                bs_ratio_m: Int32, bs_ratio_n: Int32, f_rp_sb: Int32, f_rp_sh: Int32, f_col_sb: Int32,
                f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32,
-               s_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
+               mKR: cute.Tensor, kr_sb: Int32, kr_sh: Int32, s_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
                g2s: cute.TiledCopy, s2g: cute.TiledCopy, tiled_mma: cute.TiledMma,
                Smem: cutlass.Constexpr):
         D = self.head_dim
@@ -175,7 +178,6 @@ class FlashFwdSm80:
                 f_col0 = f_col0 + f_col_sb * batch + f_col_sh * head
                 m_col0 = m_col0 + m_col_sb * batch + m_col_sh * head
                 n_iters = (f_cnt + m_cnt) * bs_ratio_n
-            visit = (n_max, mFC, mMC, f_col0, m_col0, m_cnt, bs_ratio_n)
 
             smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(Smem)
@@ -227,6 +229,21 @@ class FlashFwdSm80:
             # softcap applies the scale itself, leaving only the change of base for exp2
             sm_scale_log2 = Float32(LOG2_E) if cutlass.const_expr(self.has_softcap) else scale_log2
 
+            kr = None
+            if cutlass.const_expr(self.num_key_ranges > 0):
+                kr_row0 = Int32(0)
+                if cutlass.const_expr(self.varlen):
+                    kr_row0 = q_start
+                kr, lo_min, hi_max = load_key_ranges(mKR, kr_sb * batch + kr_sh * head, kr_row0, tScS_mn,
+                                                     m_block * tile_m, seqlen_q, self.num_key_ranges)
+                if cutlass.const_expr(not self.block_sparse):
+                    # skip key tiles outside the union of this query tile's intervals
+                    lo_min, hi_max = cta_min_max(lo_min, hi_max, st.red.get_tensor(cute.make_layout(2 * (self.num_threads // 32))), bar)
+                    n_lo = cutlass.max(n_max - n_iters, lo_min // tile_n)
+                    n_max = cutlass.min(n_max, cute.ceil_div(hi_max, tile_n))
+                    n_iters = cutlass.max(n_max - n_lo, 0)
+            visit = (n_max, mFC, mMC, f_col0, m_col0, m_cnt, bs_ratio_n)
+
             # prologue: Q (rows past seqlen_q zero-filled) and the first K block
             self.load_rows(g2s, tQgQ, tQsQ, tQcQ, seqlen_q)
             if n_iters > 0:
@@ -257,12 +274,16 @@ class FlashFwdSm80:
                         acc_S[i] = softcap * cute.math.tanh(acc_S[i] * softcap_scale, fastmath=True)
                 need_mask = block_needs_mask(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left,
                                              win_right, self.has_left, self.has_right)
+                if cutlass.const_expr(self.num_key_ranges > 0):
+                    need_mask = Boolean(True)  # intervals may cut any tile
                 if cutlass.const_expr(self.block_sparse):
                     # a full block is the caller's promise that the predicate holds: only the tail
                     need_mask = (n_block + 1) * tile_n > seqlen_k or (is_mask_entry and need_mask)
                 if need_mask:
                     apply_mask(acc_S_mn, tScS_mn, m_block * tile_m, n_block * tile_n, seqlen_q, seqlen_k,
                                win_left, win_right, self.has_left, self.has_right)
+                    if cutlass.const_expr(self.num_key_ranges > 0):
+                        apply_key_ranges(acc_S_mn, tScS_mn, n_block * tile_n, kr, self.num_key_ranges)
                 online_softmax_step(row_max, row_sum, sm_scale_log2, acc_S_mn, acc_O_mn)
 
                 rP = cute.make_fragment_like(acc_S, self.dtype)

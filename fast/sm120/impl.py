@@ -18,6 +18,7 @@ from .fwd import SMEM_LIMIT_SM120, FlashFwdSm80, tile_config
 # compute capabilities this kernel runs on: it needs only mma.sync, ldmatrix and cp.async (SM80+)
 SUPPORTED_ARCHS = tuple(range(80, 90)) + (90, 120, 121)
 _I32_MAX = 2 ** 31 - 1
+MAX_KEY_RANGES = 4
 
 _cache = CompileCache()
 
@@ -40,14 +41,15 @@ def compile_key(spec, arch: int) -> tuple:
     has_left, has_right, _, _ = window_bounds(spec)
     cfg = tile_config(spec.head_dim)
     return ("fwd", str(spec.dtype), spec.head_dim, spec.head_dim_v, cfg, spec.mode == "varlen",
-            has_left, has_right, spec.softcap > 0, spec.has_block_sparse, arch)
+            has_left, has_right, spec.softcap > 0, spec.has_block_sparse, spec.num_key_ranges, arch)
 
 
 def build_kernel(key: tuple) -> FlashFwdSm80:
-    _, dt, d, _dv, cfg, varlen, has_left, has_right, has_softcap, block_sparse, _arch = key
+    _, dt, d, _dv, cfg, varlen, has_left, has_right, has_softcap, block_sparse, num_kr, _arch = key
     torch_dt = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16}[dt]
     return FlashFwdSm80(_cutlass_dtype(torch_dt), d, cfg, varlen=varlen, has_left=has_left,
-                        has_right=has_right, has_softcap=has_softcap, block_sparse=block_sparse)
+                        has_right=has_right, has_softcap=has_softcap, block_sparse=block_sparse,
+                        num_key_ranges=num_kr)
 
 
 def compile_args(kernel_dtype, ptrs=None, stream=None):
@@ -61,11 +63,11 @@ def compile_args(kernel_dtype, ptrs=None, stream=None):
         return cute.runtime.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=align)
 
     if ptrs is None:
-        ptrs = (1 << 20,) * 11
-    q, k, v, o, lse, cuq, cuk, fr, fc, mr, mc = ptrs
+        ptrs = (1 << 20,) * 12
+    q, k, v, o, lse, cuq, cuk, fr, fc, mr, mc, kr = ptrs
     p = [ptr(kernel_dtype, q, 16), ptr(kernel_dtype, k, 16), ptr(kernel_dtype, v, 16),
          ptr(kernel_dtype, o, 16), ptr(Float32, lse, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4),
-         ptr(Int32, fr, 4), ptr(Int32, fc, 4), ptr(Int32, mr, 4), ptr(Int32, mc, 4)]
+         ptr(Int32, fr, 4), ptr(Int32, fc, 4), ptr(Int32, mr, 4), ptr(Int32, mc, 4), ptr(Int32, kr, 8)]
     return p, (stream if stream is not None else cuda.CUstream(0))
 
 
@@ -79,7 +81,7 @@ def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
 
     kern = build_kernel(key)
     p, stream = compile_args(kern.dtype)
-    args = p[:7] + [Int32(1)] * 11 + [Float32(1.0)] * 3 + p[7:] + [Int32(1)] * 10
+    args = p[:7] + [Int32(1)] * 11 + [Float32(1.0)] * 3 + p[7:11] + [Int32(1)] * 10 + p[11:] + [Int32(1)] * 2
     fn = cute.compile(kern, *args, stream, options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
     return fn, kern
 
@@ -104,8 +106,8 @@ class FastSm120Forward:
             return "head_dim_v must equal head_dim"
         if spec.head_dim % 32 != 0 or spec.head_dim > 256:
             return f"head dim {spec.head_dim} not supported (multiples of 32 up to 256)"
-        if spec.has_key_ranges:
-            return "key_ranges not supported"
+        if spec.num_key_ranges > MAX_KEY_RANGES:
+            return f"at most {MAX_KEY_RANGES} key ranges per row (intervals are held in registers), got {spec.num_key_ranges}"
         cfg = tile_config(spec.head_dim)
         if spec.has_block_sparse:
             bm, bn = spec.block_size
@@ -157,12 +159,14 @@ class FastSm120Forward:
         cu_q = call.cu_seqlens_q if varlen else None
         cu_k = call.cu_seqlens_k if varlen else None
         bs_ptrs, bs_ints = _block_sparse_args(call, q3)
+        kr_ptr, kr_ints = _key_range_args(call, q3)
         ptrs = (q3.data_ptr(), k3.data_ptr(), v3.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                (cu_q if varlen else q3).data_ptr(), (cu_k if varlen else q3).data_ptr()) + bs_ptrs
+                (cu_q if varlen else q3).data_ptr(), (cu_k if varlen else q3).data_ptr()) + bs_ptrs + (kr_ptr,)
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         p, stream = compile_args(_cutlass_dtype(spec.dtype), ptrs, stream)
         fn(*p[:7], total_q, max(total_k, 1), spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv,
-           lse_sh, lse_sb, wl, wr, scale_log2, softcap_scale, float(spec.softcap), *p[7:], *bs_ints, stream)
+           lse_sh, lse_sb, wl, wr, scale_log2, softcap_scale, float(spec.softcap), *p[7:11], *bs_ints,
+           p[11], *kr_ints, stream)
         return out, lse
 
     def backward(self, call, out, lse, dout):
@@ -187,6 +191,16 @@ def _block_sparse_args(call, dummy: torch.Tensor):
                     col.stride(0) if col.shape[0] > 1 else 0, col.stride(1) if col.shape[1] > 1 else 0]
     call.extra["_sm120_keepalive"] = keep  # the launch is asynchronous: keep copies alive with the call
     return tuple(arrays), (bs.block_m // cfg.tile_m, bs.block_n // cfg.tile_n, *strides)
+
+
+def _key_range_args(call, dummy: torch.Tensor):
+    """Pointer and (batch stride, head stride) of key_ranges (B'|1, H'|1, rows, R, 2); 0 broadcasts."""
+    kr = call.key_ranges
+    if kr is None:
+        return dummy.data_ptr(), (0, 0)
+    kr = kr.contiguous()
+    call.extra["_sm120_kr"] = kr  # keep alive for the asynchronous launch
+    return kr.data_ptr(), (kr.stride(0) if kr.shape[0] > 1 else 0, kr.stride(1) if kr.shape[1] > 1 else 0)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
