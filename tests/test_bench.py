@@ -1,0 +1,169 @@
+"""dualattn.bench: the matrix, useful-FLOP counts, the runners (on CPU with the oracle and a fake
+timer), the report formats, and the CLI's refusal without CUDA."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dualattn import bench
+from dualattn.bench import Cell
+from dualattn.masks import element_visible
+
+
+def test_cli_without_cuda_says_so_and_fails(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    rc = bench.main(["--quick"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "needs a CUDA GPU" in err
+
+
+def test_module_cli_exit_code_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    p = subprocess.run([sys.executable, "-m", "dualattn.bench", "--quick"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 2 and "needs a CUDA GPU" in p.stderr
+
+
+def test_list_matrix(capsys):
+    assert bench.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "138 cells" in out
+    assert bench.main(["--list", "--quick", "--kind", "decode"]) == 0
+    assert "2 cells" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--list", "--kind", "sideways"])
+
+
+def test_standard_matrix_shape():
+    cells = bench.standard_matrix()
+    dense = [c for c in cells if c.group == "dense"]
+    assert {c.head_dim for c in dense} == {64, 128, 256}
+    for c in dense:  # tokens = 16k, heads x dim = 2048
+        assert c.batch * c.seqlen_q == 16384 and c.heads_q * c.head_dim == 2048
+    assert {c.kind for c in cells} == set(bench.KINDS)
+    dec = [c for c in cells if c.kind == "decode"]
+    assert {c.seqlen_k for c in dec} == {8192, 32768, 131072} and {c.batch for c in dec} == {1, 8, 64}
+    assert all(c.seqlen_q == 1 for c in dec)
+    filt = bench.filter_cells(cells, head_dims=[128], seqlens=[16384], causal=True)
+    assert filt and all(c.head_dim == 128 and c.causal for c in filt if c.kind != "decode")
+
+
+def _brute_pairs(cell):
+    rows, cols = torch.arange(cell.seqlen_q), torch.arange(cell.seqlen_k)
+    vis = element_visible(rows, cols, cell.seqlen_q, cell.seqlen_k, causal=cell.causal, window=cell.window)
+    return int(vis.expand(cell.seqlen_q, cell.seqlen_k).sum()) * cell.batch * cell.heads_q
+
+
+@pytest.mark.parametrize("cell", [
+    Cell("fwd", "dense", 2, 64, 64, 3, 3, 16, False),
+    Cell("fwd", "dense", 2, 64, 64, 3, 3, 16, True),
+    Cell("fwd", "dense", 1, 40, 72, 2, 1, 16, True),        # Sq != Sk: bottom-right
+    Cell("fwd", "window", 1, 96, 96, 2, 2, 16, True, (10, 0)),
+    Cell("fwd", "window", 1, 50, 80, 2, 2, 16, False, (7, 3)),
+])
+def test_visible_pairs_match_the_predicate(cell):
+    assert bench.visible_pairs(cell) == _brute_pairs(cell)
+
+
+def test_visible_pairs_docs_and_sparse():
+    c = Cell("fwd", "docs", 1, 100, 100, 2, 2, 16, True, docs=3)
+    lens = bench.doc_lengths(100, 3)
+    assert sum(lens) == 100 and len(lens) == 3 and len(set(lens)) > 1
+    assert bench.visible_pairs(c) == 2 * sum(n * (n + 1) // 2 for n in lens)
+    s = Cell("fwd", "sparse", 2, 512, 512, 2, 2, 16, density=0.25)
+    st = bench.sparse_states(s)
+    assert st.shape == (1, 1, 4, 4) and bool((st[0, 0].diagonal() > 0).all())
+    assert bench.visible_pairs(s) == int((st > 0).sum()) * 128 * 128 * 2 * 2
+    fl, unit = bench.work(Cell("fwdbwd", "dense", 1, 64, 64, 1, 1, 16))
+    assert unit == "TFLOP/s" and fl == 3.5 * 4 * 64 * 64 * 16
+    by, unit = bench.work(Cell("decode", "decode", 2, 1, 1000, 4, 2, 16))
+    assert unit == "TB/s" and by == 2 * 1000 * 2 * 2 * 16 * 2
+
+
+class FakeTimer:
+    def time_ms(self, fn):
+        fn()
+        return 1.0, 1
+
+
+TINY = [
+    Cell("fwd", "dense", 2, 32, 32, 2, 2, 16, True, dtype="float32"),
+    Cell("bwd", "gqa", 1, 32, 32, 4, 2, 16, True, dtype="float32"),
+    Cell("fwdbwd", "window", 1, 48, 48, 2, 2, 16, True, (8, 0), dtype="float32"),
+    Cell("fwd", "docs", 1, 40, 40, 2, 2, 16, True, docs=3, dtype="float32"),
+    Cell("fwd", "sparse", 1, 256, 256, 2, 2, 16, density=0.3, dtype="float32"),
+    Cell("decode", "decode", 2, 1, 64, 4, 2, 16, dtype="float32"),
+]
+
+
+def test_run_matrix_on_cpu_with_the_oracle(tmp_path):
+    impls = bench.select_impls(["torch"])
+    results = bench.run_matrix(TINY, impls, [], FakeTimer(), device="cpu")
+    assert len(results) == len(TINY)
+    for r in results:
+        assert r.status == "ok", (r.cell.label(), r.status)
+        assert r.ms == 1.0 and r.rate == pytest.approx(bench.work(r.cell)[0] / 1e-3 / 1e12)
+    # the forward output of the runner is the oracle's
+    fwd = bench.dualattn_runner(impls[0], bench.make_inputs(TINY[0], "cpu"))
+    inp = bench.make_inputs(TINY[0], "cpu")
+    import dualattn
+    torch.testing.assert_close(fwd.out(), dualattn.attention(inp.q, inp.k, inp.v, causal=True, impl="torch"))
+    # reports
+    table = bench.format_table(results, ["cudnn", "fa4"])
+    assert "vs cudnn" in table and "torch" in table and TINY[3].label() in table
+    path = tmp_path / "r.json"
+    bench.write_json(str(path), results, {"device": "cpu"})
+    data = json.loads(path.read_text())
+    assert data["meta"]["device"] == "cpu" and len(data["results"]) == len(TINY)
+    assert data["results"][0]["cell"]["label"] == TINY[0].label()
+
+
+def test_not_applicable_and_errors_are_reported():
+    class Refuses:
+        name, family = "refuses", "triton"
+
+        def can_implement(self, spec):
+            return "no thanks"
+
+    class Breaks:
+        name, family = "breaks", "triton"
+
+        def can_implement(self, spec):
+            return None
+
+        def forward(self, call):
+            raise RuntimeError("kaput")
+
+    res = bench.run_matrix(TINY[:1], [Refuses(), Breaks()], [], FakeTimer(), device="cpu")
+    assert res[0].status == "n/a: no thanks"
+    assert res[1].status.startswith("error: RuntimeError: kaput")
+    table = bench.format_table(res, [])
+    assert "n/a: no thanks" in table and "kaput" in table
+
+
+def test_ratio_column():
+    c = TINY[0]
+    rs = [bench.Result(c, "cudnn", True, ms=2.0, rate=1.0, unit="TFLOP/s"),
+          bench.Result(c, "fast-x", False, ms=1.0, rate=2.0, unit="TFLOP/s")]
+    line = [l for l in bench.format_table(rs, ["cudnn"]).splitlines() if "fast-x" in l][0]
+    assert "2.00x" in line
+
+
+def test_sdpa_peer_refuses_masks_it_lacks():
+    with pytest.raises(bench.NotApplicable, match="window"):
+        bench.sdpa_runner("cudnn", bench.make_inputs(TINY[2], "cpu"))
+    with pytest.raises(bench.NotApplicable, match="varlen"):
+        bench.sdpa_runner("fa2", bench.make_inputs(TINY[3], "cpu"))
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (optional extra)")
+    results = bench.run_matrix(TINY, bench.select_impls(["torch"]), [], FakeTimer(), device="cpu")
+    results.append(bench.Result(TINY[0], "cudnn", True, ms=0.5, rate=3.0, unit="TFLOP/s"))
+    out = tmp_path / "b.png"
+    bench.plot(results, str(out))
+    assert out.stat().st_size > 10_000
