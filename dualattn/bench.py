@@ -354,7 +354,8 @@ def sdpa_runner(backend_name: str, inp: Inputs) -> Runner:
         raise NotApplicable("SDPA has no packed-document (varlen) mode")
     if c.density:
         raise NotApplicable("SDPA has no block sparsity")
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[backend_name]
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION,
+               "sdpa-math": SDPBackend.MATH}[backend_name]
     gqa = c.heads_q != c.heads_kv
     causal = c.causal and c.kind != "decode"
 
@@ -374,6 +375,11 @@ def flex_runner(inp: Inputs) -> Runner:
 
     c = inp.cell
     if "fn" not in _FLEX:
+        import torch._dynamo
+        # one compiled specialisation per cell: keep them all (the default limit of 8 would fall
+        # back to the unfused, memory-hungry eager path)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 4096)
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX["fn"]
     sq = 1 if c.kind == "decode" else c.seqlen_q
@@ -444,7 +450,7 @@ def fa4_runner(inp: Inputs) -> Runner:
 
 
 def peer_runner(name: str, inp: Inputs) -> Runner:
-    if name in ("cudnn", "fa2"):
+    if name in ("cudnn", "fa2", "sdpa-math"):  # sdpa-math: unfused, for checks (not a default peer)
         return sdpa_runner(name, inp)
     if name == "flex":
         return flex_runner(inp)
@@ -573,7 +579,9 @@ def select_impls(names: Optional[Sequence[str]]) -> List[object]:
 
 
 def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], timer: Timer,
-               progress: Optional[Progress] = None, device: str = "cuda") -> List[Result]:
+               progress: Optional[Progress] = None, device: str = "cuda",
+               on_result: Optional[Callable[[Result, List[Result]], None]] = None) -> List[Result]:
+    """Measure every (cell, implementation); ``on_result(result, results_of_its_cell)`` streams them."""
     results: List[Result] = []
     cuda = device == "cuda"
     for cell in cells:
@@ -583,11 +591,14 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
         if free is not None and need > 0.8 * free:
             for name in [i.name for i in impls] + list(peers):
                 results.append(Result(cell, name, name in peers, f"n/a: needs ~{need / 2**30:.0f} GiB"))
+                if on_result:
+                    on_result(results[-1], [results[-1]])
                 if progress:
                     progress.step(f"{cell.label()} {name} (skipped)")
             continue
         inp = make_inputs(cell, device)
         ref_out = None
+        cell_results: List[Result] = []
         entries = [(p, True) for p in peers] + [(i, False) for i in impls]
         for entry, is_peer in entries:
             name = entry if is_peer else entry.name
@@ -609,6 +620,9 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
                 if cuda:
                     torch.cuda.synchronize()
             results.append(r)
+            cell_results.append(r)
+            if on_result:
+                on_result(r, cell_results)
             if progress:
                 progress.step(f"{cell.label()} {name}")
         del inp
@@ -621,29 +635,35 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
 # reporting
 # ---------------------------------------------------------------------------------------------
 
+def table_header(peers: Sequence[str]) -> str:
+    head = f"{'cell':44s} {'impl':12s} {'ms':>9s} {'rate':>8s} {'unit':7s} " \
+        + " ".join(f"{'vs ' + p:>9s}" for p in peers) + f" {'maxdiff':>8s}  note"
+    return head + "\n" + "-" * len(head)
+
+
+def format_row(r: Result, peers: Sequence[str], cell_results: Sequence[Result]) -> str:
+    """One line: time, rate, speed ratio to each peer of the same cell (peer ms / ms)."""
+    peer_ms = {x.impl: x.ms for x in cell_results if x.peer and x.status == "ok"}
+    ratios = []
+    for p in peers:
+        if r.peer or r.status != "ok" or peer_ms.get(p) is None:
+            ratios.append(f"{'':>9s}")
+        else:
+            ratios.append(f"{peer_ms[p] / r.ms:8.2f}x")
+    ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9s}"
+    rate = f"{r.rate:8.1f}" if r.rate is not None else f"{'-':>8s}"
+    diff = f"{r.maxdiff:8.1e}" if r.maxdiff is not None else f"{'':>8s}"
+    note = "" if r.status == "ok" else r.status[:90]
+    return f"{r.cell.label():44s} {r.impl:12s} {ms} {rate} {r.unit or '':7s} {' '.join(ratios)} {diff}  {note}"
+
+
 def format_table(results: List[Result], peers: Sequence[str]) -> str:
-    """One line per (cell, implementation): time, rate, speed ratio to each peer (peer ms / ms)."""
     by_cell: Dict[Cell, List[Result]] = {}
     for r in results:
         by_cell.setdefault(r.cell, []).append(r)
-    ratio_cols = [f"vs {p}" for p in peers]
-    head = f"{'cell':44s} {'impl':12s} {'ms':>9s} {'rate':>8s} {'unit':7s} " + " ".join(f"{c:>9s}" for c in ratio_cols) \
-        + f" {'maxdiff':>8s}  note"
-    lines = [head, "-" * len(head)]
+    lines = [table_header(peers)]
     for cell, rs in by_cell.items():
-        peer_ms = {r.impl: r.ms for r in rs if r.peer and r.status == "ok"}
-        for r in rs:
-            ratios = []
-            for p in peers:
-                if r.peer or r.status != "ok" or peer_ms.get(p) is None:
-                    ratios.append(f"{'':>9s}")
-                else:
-                    ratios.append(f"{peer_ms[p] / r.ms:8.2f}x")
-            ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9s}"
-            rate = f"{r.rate:8.1f}" if r.rate is not None else f"{'-':>8s}"
-            diff = f"{r.maxdiff:8.1e}" if r.maxdiff is not None else f"{'':>8s}"
-            note = "" if r.status == "ok" else r.status[:70]
-            lines.append(f"{cell.label():44s} {r.impl:12s} {ms} {rate} {r.unit or '':7s} {' '.join(ratios)} {diff}  {note}")
+        lines += [format_row(r, peers, rs) for r in rs]
     return "\n".join(lines)
 
 
@@ -758,7 +778,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     cells = select_cells(args)
     peers = [] if args.peers.strip().lower() == "none" else _csv(args.peers)
-    bad = [p for p in peers if p not in PEERS]
+    bad = [p for p in peers if p not in PEERS + ("sdpa-math",)]
     if bad:
         raise SystemExit(f"--peers: unknown {bad}; choose from {', '.join(PEERS)} or 'none'")
     if args.list:
@@ -789,8 +809,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"rates: useful TFLOP/s (bwd = 2.5x fwd FLOPs), decode TB/s of KV read; 'vs X' = X's time / this time")
     timer = Timer(warmup=args.warmup, reps=args.reps)
     progress = Progress(len(cells) * (len(impls) + len(peers)))
-    results = run_matrix(cells, impls, peers, timer, progress)
-    print(format_table(results, peers))
+    print(table_header(peers), flush=True)
+
+    def stream(r, cell_results):  # rows appear as they are measured (a long run shows progress)
+        print(format_row(r, peers, cell_results), flush=True)
+    results = run_matrix(cells, impls, peers, timer, progress, on_result=stream)
     if args.json:
         write_json(args.json, results, meta)
         print(f"# wrote {args.json}")

@@ -167,3 +167,19 @@ def test_plot(tmp_path):
     out = tmp_path / "b.png"
     bench.plot(results, str(out))
     assert out.stat().st_size > 10_000
+
+
+def test_autograd_peer_runner_paths_on_cpu():
+    """The SDPA runner (math backend on CPU) through fwd / bwd / fwd+bwd / decode, next to the oracle:
+    the forward outputs agree (maxdiff) and the backward runs produce gradients of the right shapes."""
+    cells = [TINY[0], TINY[1], Cell("fwdbwd", "dense", 1, 32, 32, 2, 2, 16, True, dtype="float32"), TINY[5]]
+    rows = []
+    res = bench.run_matrix(cells, bench.select_impls(["torch"]), ["sdpa-math"], FakeTimer(), device="cpu",
+                           on_result=lambda r, c: rows.append(bench.format_row(r, ["sdpa-math"], c)))
+    assert all(r.status == "ok" for r in res), [(r.impl, r.status) for r in res]
+    fwd_oracle = [r for r in res if not r.peer and r.cell.kind in ("fwd", "decode")]
+    assert all(r.maxdiff is not None and r.maxdiff < 1e-5 for r in fwd_oracle)
+    assert len(rows) == len(res) and "1.00x" in rows[1]
+    inp = bench.make_inputs(TINY[1], "cpu")
+    grads = bench.peer_runner("sdpa-math", inp).fn()
+    assert [g.shape for g in grads] == [inp.q.shape, inp.k.shape, inp.v.shape]
