@@ -24,10 +24,10 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # (tile_n, stages) per head dim; tile_m is 128 (two consumer warpgroups x 64 rows).
 # Sized so Q + stages * (K + V) fits the 227 KB of shared memory (see FlashFwdSm90.__init__).
 # Persistent grid (one CTA per SM walking tiles; overlaps a tile's epilogue with the next tile's
-# loads) for non-causal D >= 128. Measured on an H200 (bf16, 16k tokens): +3% at hd128 16k;
-# causal is faster with one CTA per tile (the hardware hands heavy-first tiles to whichever SM
-# frees up, a better balance than a static stride), and so was hd64.
-# DUALATTN_SM90_PERSISTENT=0/1 forces the choice (for comparisons).
+# loads) for non-causal calls. Measured on an H200 (bf16, 16k tokens): +2..10% for non-causal;
+# causal is faster with one CTA per tile (the hardware hands the heavy-first tiles to whichever
+# SM frees up, a better balance than a static stride: hd128 16k causal 615 vs 579 TFLOP/s).
+# DUALATTN_SM90_PERSISTENT=0/1 forces the choice (for comparisons and tests).
 _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
@@ -99,7 +99,7 @@ class FastSm90Forward:
         tile_n, stages = TILE_CONFIG[spec.head_dim]
         # ping-pong pays off where the softmax is a large share of the work (D <= 128); at larger
         # D the GEMMs dominate and the extra barrier only serialises (FA3 makes the same choice)
-        persistent = (not spec.causal and spec.head_dim >= 128) if _PERSISTENT_ENV == "" \
+        persistent = (not spec.causal) if _PERSISTENT_ENV == "" \
             else _PERSISTENT_ENV != "0"
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
         return 128, tile_n, stages, spec.head_dim <= 128, True, persistent, separate_o
