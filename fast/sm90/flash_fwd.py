@@ -457,8 +457,11 @@ class FlashFwdSm90:
                         mLSE[row, head_idx, batch_idx] = lse[r]
 
             # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
-            # done. Separate: free once the previous tile's store was read (warp 0 waited for it
-            # before this barrier).
+            # done. Separate: free once the previous tile's store has read it; warp 0, which
+            # issued that store, waits for it here, a whole tile after issuing it.
+            if const_expr(self.separate_o):
+                if tidx < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
@@ -472,13 +475,17 @@ class FlashFwdSm90:
                                                    cute.group_modes(gO, 0, 2))
                 cute.copy(tma_atom_O, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(not self.separate_o):
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             if const_expr(not self.separate_o):
                 # the store has read Q/O's buffer: hand it back to the producer for the next Q
                 cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
             tile += step
+        # shared memory must outlive the last store's reads
+        if tidx < 32:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
