@@ -280,10 +280,16 @@ class FlashFwdSm80:
                     # a full block is the caller's promise that the predicate holds: only the tail
                     need_mask = (n_block + 1) * tile_n > seqlen_k or (is_mask_entry and need_mask)
                 if need_mask:
-                    apply_mask(acc_S_mn, tScS_mn, m_block * tile_m, n_block * tile_n, seqlen_q, seqlen_k,
-                               win_left, win_right, self.has_left, self.has_right)
-                    if cutlass.const_expr(self.num_key_ranges > 0):
-                        apply_key_ranges(acc_S_mn, tScS_mn, n_block * tile_n, kr, self.num_key_ranges)
+                    if cutlass.const_expr(self.block_sparse):
+                        if is_mask_entry:
+                            self.mask_predicate(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k, win_left,
+                                                win_right, kr)
+                        else:  # a full entry that holds the key tail: only the tail
+                            apply_mask(acc_S_mn, tScS_mn, m_block * tile_m, n_block * tile_n, seqlen_q, seqlen_k,
+                                       win_left, win_right, False, False)
+                    else:
+                        self.mask_predicate(acc_S_mn, tScS_mn, m_block, n_block, seqlen_q, seqlen_k, win_left,
+                                            win_right, kr)
                 online_softmax_step(row_max, row_sum, sm_scale_log2, acc_S_mn, acc_O_mn)
 
                 rP = cute.make_fragment_like(acc_S, self.dtype)
@@ -332,6 +338,15 @@ class FlashFwdSm80:
             for m in cutlass.range_constexpr(cute.size(tOgO.shape[1])):
                 if tOcO[0, m, 0][0] < seqlen_q:
                     cute.copy(s2g, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def mask_predicate(self, acc_S_mn, tScS_mn, m_block: Int32, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32,
+                       win_left: Int32, win_right: Int32, kr):
+        """-inf outside the element predicate: tail AND causal/window AND key ranges."""
+        apply_mask(acc_S_mn, tScS_mn, m_block * self.tile_m, n_block * self.tile_n, seqlen_q, seqlen_k,
+                   win_left, win_right, self.has_left, self.has_right)
+        if cutlass.const_expr(self.num_key_ranges > 0):
+            apply_key_ranges(acc_S_mn, tScS_mn, n_block * self.tile_n, kr, self.num_key_ranges)
 
     @cute.jit
     def block_at(self, it: Int32, n_max: Int32, mFC: cute.Tensor, mMC: cute.Tensor, f_col0: Int32, m_col0: Int32,

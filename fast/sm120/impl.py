@@ -164,9 +164,10 @@ class FastSm120Forward:
                 (cu_q if varlen else q3).data_ptr(), (cu_k if varlen else q3).data_ptr()) + bs_ptrs + (kr_ptr,)
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         p, stream = compile_args(_cutlass_dtype(spec.dtype), ptrs, stream)
-        fn(*p[:7], total_q, max(total_k, 1), spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv,
-           lse_sh, lse_sb, wl, wr, scale_log2, softcap_scale, float(spec.softcap), *p[7:11], *bs_ints,
-           p[11], *kr_ints, stream)
+        with torch.cuda.device(q.device):  # the launch goes to the current device's context
+            fn(*p[:7], total_q, max(total_k, 1), spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv,
+               lse_sh, lse_sb, wl, wr, scale_log2, softcap_scale, float(spec.softcap), *p[7:11], *bs_ints,
+               p[11], *kr_ints, stream)
         return out, lse
 
     def backward(self, call, out, lse, dout):
