@@ -18,6 +18,7 @@ configs below all fit 99 KB so they are the ones used everywhere.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -55,6 +56,12 @@ class TileConfig:
 #              registers (64 fp32 S + 64 fp32 O per thread spills), FA2 picks 128 x 64 too.
 #   hd <= 256: 64 x 64, 4 warps: 96 KB at hd256; O alone is 128 fp32 registers per thread.
 def tile_config(head_dim: int) -> TileConfig:
+    # tuning hook: DUALATTN_SM120_TILES="128:128,64,256;64:128,128,128" overrides entries by head dim
+    for entry in os.environ.get("DUALATTN_SM120_TILES", "").split(";"):
+        if entry.strip():
+            hd, cfg = entry.split(":")
+            if int(hd) == head_dim:
+                return TileConfig(*(int(x) for x in cfg.split(",")))
     if head_dim <= 64:
         return TileConfig(128, 128, 128)
     if head_dim <= 128:
