@@ -72,14 +72,34 @@ def test_compile_key_is_explicit_and_shape_free():
     a, b = _spec(sq=100, sk=7000), _spec(sq=4096, sk=33)
     assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
-    assert key == ("sm90_fwd", "torch.float16", 192, 192, True, 128, 112, 2, False, True, False, False, "sm_90a")
+    assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
+                   False, "sm_90a")
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
+    # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
+    assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)
+    assert FORWARD.compile_key(_spec(softcap=5.0), 90) == FORWARD.compile_key(_spec(softcap=30.0), 90)
+    assert FORWARD.compile_key(_spec(window=(5, -1)), 90) != FORWARD.compile_key(_spec(window=(-1, 5)), 90)
+
+
+MASK_CONFIGS = [dict(window=(64, 0)), dict(window=(-1, 32)), dict(window=(33, 7), causal=True),
+                dict(softcap=20.0, causal=True)]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kw", MASK_CONFIGS, ids=[str(sorted(k.items())) for k in MASK_CONFIGS])
+def test_window_and_softcap_configs_compile(kw):
+    spec = _spec(128, **kw)
+    assert FastSm90Forward.can_implement_static(spec) is None
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    assert _loops_with(ptx, "wgmma.mma_async") >= 1
+    if "softcap" in kw:  # tanh (expanded into ex2 / rcp) is applied to every score
+        plain = FastSm90Forward().compile_only(_spec(128, causal=kw.get("causal", False)), arch=90)
+        assert ptx.count("ex2.approx") > plain.__ptx__.count("ex2.approx")
 
 
 @pytest.mark.parametrize("kw,word", [
     (dict(needs_grad=True), "backward"),
-    (dict(window=(16, 0)), "window"),
-    (dict(softcap=5.0), "softcap"),
     (dict(num_key_ranges=1), "key_ranges"),
     (dict(block_size=(128, 128)), "block-sparse"),
     (dict(d=80), "head dim"),

@@ -28,10 +28,11 @@ WORKER_TIMEOUT_S = int(os.environ.get("DUALATTN_SM90_TEST_TIMEOUT", "600"))
 CASES = []
 
 
-def _case(name, B, Sq, Sk, Hq, Hkv, D, dtype="bfloat16", causal=False, persistent=None):
+def _case(name, B, Sq, Sk, Hq, Hkv, D, dtype="bfloat16", causal=False, persistent=None, **kw):
     tag = "" if persistent is None else f"-persistent{persistent}"
+    tag += "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
     CASES.append((f"{name}-{dtype}-d{D}{'-causal' if causal else ''}{tag}", B, Sq, Sk, Hq, Hkv, D,
-                  dtype, causal, persistent))
+                  dtype, causal, persistent, kw))
 
 
 for _d in (64, 128, 96, 192, 256):
@@ -54,6 +55,19 @@ for _c in (False, True):
         for _d in (64, 128, 256):
             _case("dense", 2, 1000, 1000, 4, 2, _d, "bfloat16", _c, _p)
         _case("q203k113", 2, 203, 113, 4, 4, 128, "bfloat16", _c, _p)
+# sliding windows (bottom-right diagonal) and softcap
+for _w, _c in (((64, 0), False), ((-1, 32), False), ((100, -1), False), ((33, 7), True),
+               ((200, 50), False), ((0, 0), False)):
+    _case("win", 2, 1000, 1000, 4, 2, 128, "bfloat16", _c, window=_w)
+    _case("win", 1, 300, 700, 4, 1, 64, "bfloat16", _c, window=_w)
+    _case("win", 2, 203, 113, 2, 2, 128, "bfloat16", _c, window=_w)  # rows with no key
+_case("win", 2, 1000, 1000, 4, 2, 256, "bfloat16", False, window=(128, 128))
+_case("win", 2, 1000, 1000, 4, 2, 128, "float16", False, "1", window=(77, 0))
+_case("win", 2, 1000, 1000, 4, 2, 128, "bfloat16", True, "1", window=(300, -1))
+for _c in (False, True):
+    _case("softcap", 2, 777, 777, 4, 2, 128, "bfloat16", _c, softcap=20.0)
+    _case("softcap", 1, 113, 203, 4, 4, 64, "float16", _c, softcap=5.0)
+_case("softcap", 1, 500, 500, 2, 1, 256, "bfloat16", False, window=(50, 0), softcap=10.0)
 
 
 def _run_worker(out_path: str) -> None:
@@ -65,7 +79,7 @@ def _run_worker(out_path: str) -> None:
 
     torch.manual_seed(0)
     with open(out_path, "w") as f:
-        for name, B, Sq, Sk, Hq, Hkv, D, dtype, causal, persistent in CASES:
+        for name, B, Sq, Sk, Hq, Hkv, D, dtype, causal, persistent, kw in CASES:
             sm90._PERSISTENT_ENV = persistent or ""
             dt = getattr(torch, dtype)
             rec = {"name": name}
@@ -73,7 +87,7 @@ def _run_worker(out_path: str) -> None:
                 q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dt)
                 k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
                 v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
-                call = build_dense(q, k, v, causal=causal, return_lse=True)
+                call = build_dense(q, k, v, causal=causal, return_lse=True, **kw)
                 impl = select(call.spec, "fast")
                 rec["impl"] = impl.name
                 outs = []

@@ -1,12 +1,13 @@
 """Hopper (SM90) fast kernels; registers "fast-sm90" (forward) with dualattn.dispatch.
 
 ``FastSm90Forward`` serves dense batched forward calls on sm_90: bf16/fp16, head dims 64, 96, 128,
-192, 256 (D == Dv), GQA/MQA, bottom-right causal, any sequence lengths. Everything else is refused
-in ``can_implement`` with the reason, so impl="auto" falls back.
+192, 256 (D == Dv), GQA/MQA, bottom-right causal, sliding windows, softcap, any sequence lengths.
+Everything else is refused in ``can_implement`` with the reason, so impl="auto" falls back.
 
 Compile cache: one compiled kernel per ``compile_key(spec)`` = (kernel name, dtype, D, Dv, causal,
-tile_m, tile_n, stages, pingpong, overlap, persistent, separate O, arch). Batch, sequence lengths and head counts are dynamic in
-the compiled code, so new shapes reuse the compiled kernel.
+window-left?, window-right?, softcap?, tile_m, tile_n, stages, pingpong, overlap, persistent,
+separate O, arch). Batch, sequence lengths, head counts, window sizes, cap and scale are runtime
+values, so they never recompile.
 """
 from __future__ import annotations
 
@@ -82,10 +83,6 @@ class FastSm90Forward:
             return f"head dim {spec.head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})"
         if spec.needs_grad:
             return "no SM90 backward kernel yet (forward only)"
-        if spec.has_window:
-            return "sliding windows not supported yet"
-        if spec.softcap > 0:
-            return "softcap not supported yet"
         if spec.has_key_ranges:
             return "key_ranges not supported yet"
         if spec.has_block_sparse:
@@ -104,15 +101,23 @@ class FastSm90Forward:
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
         return 128, tile_n, stages, spec.head_dim <= 128, True, persistent, separate_o
 
+    @staticmethod
+    def mask_flags(spec) -> Tuple[bool, bool, bool]:
+        """(left window bound, right window bound, softcap): which code paths are compiled in.
+        The window sizes and the cap are runtime arguments."""
+        return spec.window[0] >= 0, spec.window[1] >= 0, spec.softcap > 0
+
     def compile_key(self, spec, arch: int):
         return ("sm90_fwd", str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
-                *self.config(spec), arch_string(arch))
+                *self.mask_flags(spec), *self.config(spec), arch_string(arch))
 
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
         _, tile_n, stages, pingpong, overlap, persistent, separate_o = self.config(spec)
+        wl, wr, sc = self.mask_flags(spec)
         return FlashFwdSm90(_cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v,
-                            spec.causal, tile_n, stages, pingpong, overlap, persistent, separate_o)
+                            spec.causal, tile_n, stages, pingpong, overlap, persistent, separate_o,
+                            window_left=wl, window_right=wr, softcap=sc)
 
     @staticmethod
     def fake_args(spec):
@@ -131,13 +136,28 @@ class FastSm90Forward:
             cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
             stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
         return (t4(spec.head_dim), t4(spec.head_dim), t4(spec.head_dim_v), t4(spec.head_dim_v),
-                lse, cutlass.Float32(1.0), cutlass.Int32(132), cute.runtime.make_fake_stream())
+                lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0),
+                cutlass.Float32(1.0), cutlass.Int32(132), cute.runtime.make_fake_stream())
 
     def compile_only(self, spec, arch: int = 90, keep_ptx: bool = True):
         """Trace and assemble for ``arch`` without a GPU; returns the compiled object."""
         import cutlass.cute as cute
         opts = f"--gpu-arch {arch_string(arch)}" + (" --keep-ptx" if keep_ptx else "")
         return cute.compile(self.make_kernel(spec), *self.fake_args(spec), options=opts)
+
+    @staticmethod
+    def runtime_scalars(spec):
+        """(scale_log2, win_left, win_right, softcap_scale, softcap) as kernel arguments."""
+        import cutlass
+        left, right = spec.window
+        if spec.causal:
+            right = 0 if right < 0 else min(right, 0)  # causal AND window: the tighter bound
+        if spec.softcap > 0:  # s' = cap * tanh(s * scale / cap), then softmax with scale 1
+            scale_log2, sc_scale, cap = math.log2(math.e), spec.scale / spec.softcap, spec.softcap
+        else:
+            scale_log2, sc_scale, cap = spec.scale * math.log2(math.e), 1.0, 1.0
+        return (cutlass.Float32(scale_log2), cutlass.Int32(max(left, 0)), cutlass.Int32(max(right, 0)),
+                cutlass.Float32(sc_scale), cutlass.Float32(cap))
 
     # -- run -----------------------------------------------------------------------------------
     @staticmethod
@@ -173,7 +193,7 @@ class FastSm90Forward:
                 leading_dim=x.dim() - 1)
 
         args = (cute_t(q, 16), cute_t(k, 16), cute_t(v, 16), cute_t(out, 16), cute_t(lse, 4),
-                cutlass.Float32(spec.scale * math.log2(math.e)),
+                *self.runtime_scalars(spec),
                 cutlass.Int32(_num_sms(q.device)),
                 cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
         arch = target_arch(dispatch.device_arch(q.device.index or 0))

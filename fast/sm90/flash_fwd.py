@@ -97,11 +97,17 @@ class FlashFwdSm90:
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
                  num_stages: int, pingpong: bool = True, overlap: bool = True,
-                 persistent: bool = True, separate_o: bool = False):
+                 persistent: bool = True, separate_o: bool = False, window_left: bool = False,
+                 window_right: bool = False, softcap: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.causal = causal
+        # element mask bounds, measured from the bottom-right diagonal (values are runtime args):
+        # right: j <= i + Sk - Sq + win_right (causal is win_right = 0); left: j >= i + Sk - Sq - win_left
+        self.mask_right = causal or window_right
+        self.mask_left = window_left
+        self.has_softcap = softcap
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.pingpong = pingpong
@@ -128,7 +134,9 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-                 mLSE: cute.Tensor, softmax_scale_log2: Float32, num_sms: Int32, stream):
+                 mLSE: cute.Tensor, softmax_scale_log2: Float32, win_left: Int32,
+                 win_right: Int32, softcap_scale: Float32, softcap_val: Float32, num_sms: Int32,
+                 stream):
         """mQ/mO (B, Sq, Hq, D[v]), mK/mV (B, Sk, Hkv, D[v]), mLSE (B, Hq, Sq) fp32."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mO.element_type != self.dtype):
@@ -198,8 +206,8 @@ class FlashFwdSm90:
             grid = (cutlass.min(self.num_tiles(mQ), num_sms), 1, 1)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
-            softmax_scale_log2, sQ_layout, sK_layout, sV_layout, sO_layout,
-            tiled_mma_qk, tiled_mma_pv,
+            softmax_scale_log2, win_left, win_right, softcap_scale, softcap_val,
+            sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  smem=SharedStorage.size_in_bytes())
 
@@ -215,7 +223,8 @@ class FlashFwdSm90:
     def kernel(self, tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_K: cute.CopyAtom,
                mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
                tma_atom_O: cute.CopyAtom, mO: cute.Tensor, mLSE: cute.Tensor,
-               softmax_scale_log2: Float32, sQ_layout: cute.ComposedLayout,
+               softmax_scale_log2: Float32, win_left: Int32, win_right: Int32,
+               softcap_scale: Float32, softcap_val: Float32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
                tiled_mma_pv: cute.TiledMma):
@@ -263,11 +272,12 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                             pipe_q, pipe_k, pipe_v)
+                             pipe_q, pipe_k, pipe_v, win_left, win_right)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
-                         tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128)
+                         tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128, win_left,
+                         win_right, softcap_scale, softcap_val)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -275,8 +285,8 @@ class FlashFwdSm90:
         return cute.ceil_div(mQ.shape[0], self.tile_m) * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
 
     @cute.jit
-    def tile_coords(self, tile, mQ, mK):
-        """(m_block, head, head_kv, batch, n_block_max) of a linear tile index.
+    def tile_coords(self, tile, mQ, mK, win_left, win_right):
+        """(m_block, head, head_kv, batch, n_block_min, n_block_max) of a linear tile index.
 
         Non-causal: m_block varies fastest, so CTAs running together share a head's K/V in L2.
         Causal: the heaviest query blocks come first (longest-processing-time first), which the
@@ -289,7 +299,7 @@ class FlashFwdSm90:
         num_heads = cute.size(mQ.shape[2])
         m_block = tile % num_m_blocks
         rest = tile // num_m_blocks
-        if const_expr(self.causal):
+        if const_expr(self.mask_right):
             hb = num_heads * cute.size(mQ.shape[3])
             m_block = num_m_blocks - 1 - tile // hb
             rest = tile % hb
@@ -297,12 +307,17 @@ class FlashFwdSm90:
         batch = rest // num_heads
         head_kv = head // (num_heads // cute.size(mK.shape[2]))
         n_block_max = cute.ceil_div(seqlen_k, BN)
-        if const_expr(self.causal):
-            # keys visible to the tile's last row: j < (m_block+1)*BM + Sk - Sq
+        if const_expr(self.mask_right):
+            # keys visible to the tile's last row: j < (m_block+1)*BM + Sk - Sq + win_right
             n_block_max = cutlass.min(
                 n_block_max,
-                cute.ceil_div(cutlass.max((m_block + 1) * BM + seqlen_k - seqlen_q, 0), BN))
-        return m_block, head, head_kv, batch, n_block_max
+                cute.ceil_div(cutlass.max((m_block + 1) * BM + seqlen_k - seqlen_q + win_right, 0),
+                              BN))
+        n_block_min = Int32(0)
+        if const_expr(self.mask_left):
+            # first key visible to the tile's first row: i + Sk - Sq - win_left
+            n_block_min = cutlass.max(m_block * BM + seqlen_k - seqlen_q - win_left, 0) // BN
+        return m_block, head, head_kv, batch, n_block_min, n_block_max
 
     @cute.jit
     def first_tile_and_step(self):
@@ -318,14 +333,15 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                pipe_q, pipe_k, pipe_v):
+                pipe_q, pipe_k, pipe_v, win_left, win_right):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile, step = self.first_tile_and_step()
         total = self.num_tiles(mQ)
         while tile < total:
-            m_block, head_idx, head_kv, batch_idx, n_block_max = self.tile_coords(tile, mQ, mK)
+            m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max = self.tile_coords(
+                tile, mQ, mK, win_left, win_right)
             gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
             gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
@@ -339,7 +355,7 @@ class FlashFwdSm90:
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
-            for i in cutlass.range(n_block_max, unroll=1):
+            for i in cutlass.range(cutlass.max(n_block_max - n_block_min, 0), unroll=1):
                 n_block = n_block_max - 1 - i
                 pipe_k.producer_acquire(kv_state)
                 cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
@@ -353,7 +369,8 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(self, tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
-                tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx):
+                tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx, win_left, win_right,
+                softcap_scale, softcap_val):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -396,38 +413,45 @@ class FlashFwdSm90:
         tile, step = self.first_tile_and_step()
         total = self.num_tiles(mQ)
         while tile < total:
-            m_block, head_idx, head_kv, batch_idx, n_block_max = self.tile_coords(tile, mQ, mK)
+            m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max = self.tile_coords(
+                tile, mQ, mK, win_left, win_right)
+            n_blocks = cutlass.max(n_block_max - n_block_min, 0)
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
-            # blocks that need the element mask: the sequence tail and, for causal, the diagonal
+            # blocks that need the element mask: the sequence tail and, for causal / a right
+            # window bound, the diagonal; with a left bound every block is masked (simple, exact)
             n_masked = 1
-            if const_expr(self.causal):
+            if const_expr(self.mask_right):
                 # blocks left of the one holding key (first row's last visible key + 1) are full
-                first_row_limit = m_block * BM + seqlen_k - seqlen_q + 1
+                first_row_limit = m_block * BM + seqlen_k - seqlen_q + win_right + 1
                 n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
                 n_masked = cutlass.max(n_block_max - n_block_unmasked_end, 1)
-            n_masked = cutlass.min(n_masked, n_block_max)
+            n_masked = cutlass.min(n_masked, n_blocks)
+            if const_expr(self.mask_left):
+                n_masked = n_blocks
             ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
                        tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
                        tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
                        row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
-                       m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg)
+                       m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
+                       win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
+                       softcap_val=softcap_val)
             pipe_q.consumer_wait(q_state)
             if const_expr(not self.overlap):
                 for i in cutlass.range(n_masked, unroll=1):
                     kv_state = self.one_block(ctx, True, n_block_max - 1 - i, kv_state)
-                for i in cutlass.range(n_block_max - n_masked, unroll=1):
+                for i in cutlass.range(n_blocks - n_masked, unroll=1):
                     kv_state = self.one_block(ctx, False, n_block_max - n_masked - 1 - i, kv_state)
             else:
                 # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
                 # together while the softmax of S_{j+1} runs on the CUDA cores
-                if n_block_max > 0:
+                if n_blocks > 0:
                     self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP)
                     for i in cutlass.range(n_masked - 1, unroll=1):
                         kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
                                                          tOrP)
-                    for i in cutlass.range(n_block_max - n_masked, unroll=1):
+                    for i in cutlass.range(n_blocks - n_masked, unroll=1):
                         kv_state = self.overlapped_block(
                             ctx, False, n_block_max - n_masked - 1 - i, kv_state, tOrP)
                     kv_state = self.last_half_block(ctx, kv_state, tOrP)
@@ -490,17 +514,33 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def mask_scores(self, ctx, acc_S_mn, n_block):
-        """key j visible to query i iff j < seqlen_k and (causal) j <= i + seqlen_k - seqlen_q."""
+        """key j visible to query i iff j < Sk, (right bound) j <= i + Sk - Sq + win_right and
+        (left bound) j >= i + Sk - Sq - win_left; column indices relative to the block."""
         BM, BN = self.tile_m, self.tile_n
         col0 = n_block * BN
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            row = ctx.m_block * BM + ctx.tScS_mn[r, 0][0]
             limit = ctx.seqlen_k - col0
-            if const_expr(self.causal):
-                row = ctx.m_block * BM + ctx.tScS_mn[r, 0][0]
-                limit = cutlass.min(limit, row + 1 + ctx.seqlen_k - ctx.seqlen_q - col0)
+            if const_expr(self.mask_right):
+                limit = cutlass.min(limit, row + 1 + ctx.seqlen_k - ctx.seqlen_q + ctx.win_right - col0)
+            lo = Int32(0)
+            if const_expr(self.mask_left):
+                lo = row + ctx.seqlen_k - ctx.seqlen_q - ctx.win_left - col0
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                if ctx.tScS_mn[0, c][1] >= limit:
-                    acc_S_mn[r, c] = -Float32.inf
+                col = ctx.tScS_mn[0, c][1]
+                if const_expr(self.mask_left):
+                    if col >= limit or col < lo:
+                        acc_S_mn[r, c] = -Float32.inf
+                else:
+                    if col >= limit:
+                        acc_S_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def apply_softcap(self, ctx, acc_S):
+        """s <- cap * tanh(s * scale / cap); the softmax then runs with scale 1 (log2 e)."""
+        if const_expr(self.has_softcap):
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = cute.math.tanh(acc_S[i] * ctx.softcap_scale) * ctx.softcap_val
 
     @cute.jit
     def online_softmax(self, ctx, acc_S_mn, corr):
@@ -568,6 +608,7 @@ class FlashFwdSm90:
         self.sched_arrive(ctx)
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
+        self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
         if const_expr(masked):
             self.mask_scores(ctx, acc_S_mn, n_block)
@@ -592,6 +633,7 @@ class FlashFwdSm90:
         acc_S = self.qk(ctx, kv_state)
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
+        self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
         self.mask_scores(ctx, acc_S_mn, n_block)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
@@ -611,6 +653,7 @@ class FlashFwdSm90:
         self.sched_arrive(ctx)
         warpgroup.wait_group(1)         # S is ready, P V may still run
         ctx.pipe_k.consumer_release(kv_state)
+        self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
         if const_expr(masked):
             self.mask_scores(ctx, acc_S_mn, n_block)
