@@ -40,15 +40,17 @@ def _attn_bwd_preprocess(O, DO, Lse, Delta, Lse2, CuQ, so_b, so_s, so_h, sdo_b, 
     if IS_VARLEN:
         q_start = tl.load(CuQ + b)
         seqlen_q = tl.load(CuQ + b + 1) - q_start
+    bb = tl.cast(b, tl.int64)
+    q0 = tl.cast(q_start, tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_in = offs_m < seqlen_q
     mask = row_in[:, None] & (offs_dv[None, :] < HEAD_DV)
-    o = tl.load(O + b * so_b + (q_start + offs_m)[:, None] * so_s + h * so_h + offs_dv[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + b * sdo_b + (q_start + offs_m)[:, None] * sdo_s + h * sdo_h + offs_dv[None, :], mask=mask,
+    o = tl.load(O + bb * so_b + q0 * so_s + offs_m[:, None] * so_s + h * so_h + offs_dv[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + bb * sdo_b + q0 * sdo_s + offs_m[:, None] * sdo_s + h * sdo_h + offs_dv[None, :], mask=mask,
                  other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    lse_off = b * sl_b + h * sl_h + q_start + offs_m
+    lse_off = bb * sl_b + h * sl_h + q0 + offs_m
     lse2 = tl.load(Lse + lse_off, mask=row_in, other=0.0) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)
     tl.store(Delta + lse_off, delta, mask=row_in)
@@ -126,6 +128,10 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
         seqlen_q = tl.load(CuQ + b + 1) - q_start
         k_start = tl.load(CuK + b)
         seqlen_k = tl.load(CuK + b + 1) - k_start
+    # 64-bit base offsets: a batch of long sequences or a large cache passes 2**31 elements
+    bb = tl.cast(b, tl.int64)
+    q0 = tl.cast(q_start, tl.int64)
+    k0 = tl.cast(k_start, tl.int64)
     n0 = pid_n * BLOCK_N
     if n0 >= seqlen_k:
         return
@@ -133,9 +139,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     key_in = offs_n < seqlen_k
-    k = tl.load(K + b * sk_b + (k_start + offs_n)[:, None] * sk_s + hk * sk_h + offs_d[None, :],
+    k = tl.load(K + bb * sk_b + k0 * sk_s + offs_n[:, None] * sk_s + hk * sk_h + offs_d[None, :],
                 mask=key_in[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
-    v = tl.load(V + b * sv_b + (k_start + offs_n)[:, None] * sv_s + hk * sv_h + offs_dv[None, :],
+    v = tl.load(V + bb * sv_b + k0 * sv_s + offs_n[:, None] * sv_s + hk * sv_h + offs_dv[None, :],
                 mask=key_in[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -143,11 +149,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
     off = seqlen_k - seqlen_q
     for g in range(0, gqa):
         h = hk * gqa + g
-        q_seq = Q + b * sq_b + q_start * sq_s + h * sq_h
-        do_seq = DO + b * sdo_b + q_start * sdo_s + h * sdo_h
-        l_seq = Lse2 + b * sl_b + h * sl_h + q_start
-        d_seq = Delta + b * sl_b + h * sl_h + q_start
-        kr_seq = KR + b * skr_b + h * skr_h + q_start * skr_s
+        q_seq = Q + bb * sq_b + q0 * sq_s + h * sq_h
+        do_seq = DO + bb * sdo_b + q0 * sdo_s + h * sdo_h
+        l_seq = Lse2 + bb * sl_b + h * sl_h + q0
+        d_seq = Delta + bb * sl_b + h * sl_h + q0
+        kr_seq = KR + bb * skr_b + h * skr_h + q0 * skr_s
         if HAS_BS:
             # k2q CSR row of the key block holding this tile; listed query blocks are BS_M rows,
             # visited as BS_M // BLOCK_M query tiles
@@ -190,9 +196,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                     SOFTCAP, DOT_FP32, IEEE)
     dk = dk * sm_scale
-    tl.store(DK + b * sdk_b + (k_start + offs_n)[:, None] * sdk_s + hk * sdk_h + offs_d[None, :],
+    tl.store(DK + bb * sdk_b + k0 * sdk_s + offs_n[:, None] * sdk_s + hk * sdk_h + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=key_in[:, None] & (offs_d[None, :] < HEAD_D))
-    tl.store(DV + b * sdv_b + (k_start + offs_n)[:, None] * sdv_s + hk * sdv_h + offs_dv[None, :],
+    tl.store(DV + bb * sdv_b + k0 * sdv_s + offs_n[:, None] * sdv_s + hk * sdv_h + offs_dv[None, :],
              dv.to(DV.dtype.element_ty), mask=key_in[:, None] & (offs_dv[None, :] < HEAD_DV))
 
 
@@ -260,6 +266,10 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
         seqlen_q = tl.load(CuQ + b + 1) - q_start
         k_start = tl.load(CuK + b)
         seqlen_k = tl.load(CuK + b + 1) - k_start
+    # 64-bit base offsets: a batch of long sequences or a large cache passes 2**31 elements
+    bb = tl.cast(b, tl.int64)
+    q0 = tl.cast(q_start, tl.int64)
+    k0 = tl.cast(k_start, tl.int64)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
@@ -267,15 +277,15 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_in = offs_m < seqlen_q
-    q = tl.load(Q + b * sq_b + (q_start + offs_m)[:, None] * sq_s + h * sq_h + offs_d[None, :],
+    q = tl.load(Q + bb * sq_b + q0 * sq_s + offs_m[:, None] * sq_s + h * sq_h + offs_d[None, :],
                 mask=row_in[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
-    do = tl.load(DO + b * sdo_b + (q_start + offs_m)[:, None] * sdo_s + h * sdo_h + offs_dv[None, :],
+    do = tl.load(DO + bb * sdo_b + q0 * sdo_s + offs_m[:, None] * sdo_s + h * sdo_h + offs_dv[None, :],
                  mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
-    lse2 = tl.load(Lse2 + b * sl_b + h * sl_h + q_start + offs_m, mask=row_in, other=float("inf"))
-    delta = tl.load(Delta + b * sl_b + h * sl_h + q_start + offs_m, mask=row_in, other=0.0)
-    k_seq = K + b * sk_b + k_start * sk_s + hk * sk_h
-    v_seq = V + b * sv_b + k_start * sv_s + hk * sv_h
-    kr_ptrs = KR + b * skr_b + h * skr_h + (q_start + offs_m)[:, None] * skr_s
+    lse2 = tl.load(Lse2 + bb * sl_b + h * sl_h + q0 + offs_m, mask=row_in, other=float("inf"))
+    delta = tl.load(Delta + bb * sl_b + h * sl_h + q0 + offs_m, mask=row_in, other=0.0)
+    k_seq = K + bb * sk_b + k0 * sk_s + hk * sk_h
+    v_seq = V + bb * sv_b + k0 * sv_s + hk * sv_h
+    kr_ptrs = KR + bb * skr_b + h * skr_h + q0 * skr_s + offs_m[:, None] * skr_s
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     if HAS_BS:
         bp = b * sbp_b + h * sbp_h + m0 // BS_M
@@ -320,7 +330,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
     dq = dq * sm_scale
-    tl.store(DQ + b * sdq_b + (q_start + offs_m)[:, None] * sdq_s + h * sdq_h + offs_d[None, :],
+    tl.store(DQ + bb * sdq_b + q0 * sdq_s + offs_m[:, None] * sdq_s + h * sdq_h + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_in[:, None] & (offs_d[None, :] < HEAD_D))
 
 

@@ -36,17 +36,18 @@ def _append_kv(KNew, VNew, K, V, CacheSeqlens, PageTable, skn_b, skn_s, skn_h, s
     b = pid // n_new
     s = pid % n_new
     pos = tl.load(CacheSeqlens + b) + s
+    bb = tl.cast(b, tl.int64)  # 64-bit: large caches pass 2**31 elements
     if PAGED:
-        page = tl.load(PageTable + b * spt_b + pos // page_size)
+        page = tl.cast(tl.load(PageTable + b * spt_b + pos // page_size), tl.int64)
         k_dst = K + page * sk_b + (pos % page_size) * sk_s + hk * sk_h
         v_dst = V + page * sv_b + (pos % page_size) * sv_s + hk * sv_h
     else:
-        k_dst = K + b * sk_b + pos * sk_s + hk * sk_h
-        v_dst = V + b * sv_b + pos * sv_s + hk * sv_h
+        k_dst = K + bb * sk_b + pos * sk_s + hk * sk_h
+        v_dst = V + bb * sv_b + pos * sv_s + hk * sv_h
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    kn = tl.load(KNew + b * skn_b + s * skn_s + hk * skn_h + offs_d, mask=offs_d < HEAD_D)
-    vn = tl.load(VNew + b * svn_b + s * svn_s + hk * svn_h + offs_dv, mask=offs_dv < HEAD_DV)
+    kn = tl.load(KNew + bb * skn_b + s * skn_s + hk * skn_h + offs_d, mask=offs_d < HEAD_D)
+    vn = tl.load(VNew + bb * svn_b + s * svn_s + hk * svn_h + offs_dv, mask=offs_dv < HEAD_DV)
     tl.store(k_dst + offs_d, kn, mask=offs_d < HEAD_D)
     tl.store(v_dst + offs_dv, vn, mask=offs_dv < HEAD_DV)
 
@@ -55,10 +56,11 @@ def _append_kv(KNew, VNew, K, V, CacheSeqlens, PageTable, skn_b, skn_s, skn_h, s
 def _kv_tile(k_head, v_head, PageTable, b, n0, sk_b, sk_s, sv_b, sv_s, spt_b, page_size, PAGED: tl.constexpr):
     """Pointers to key/value row n0 of batch entry b: through the page table when paged."""
     if PAGED:
-        page = tl.load(PageTable + b * spt_b + n0 // page_size)
+        page = tl.cast(tl.load(PageTable + b * spt_b + n0 // page_size), tl.int64)  # 64-bit offsets
         return k_head + page * sk_b + (n0 % page_size) * sk_s, v_head + page * sv_b + (n0 % page_size) * sv_s
     else:
-        return k_head + b * sk_b + n0 * sk_s, v_head + b * sv_b + n0 * sv_s
+        bb = tl.cast(b, tl.int64)
+        return k_head + bb * sk_b + n0 * sk_s, v_head + bb * sv_b + n0 * sv_s
 
 
 @triton.jit
@@ -91,7 +93,7 @@ def _decode_split(Q, K, V, OPart, LPart, CacheSeqlens, PageTable,
     row_in = r < n_rows
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * sq_b + tok[:, None] * sq_s + h[:, None] * sq_h + offs_d[None, :],
+    q = tl.load(Q + tl.cast(b, tl.int64) * sq_b + tok[:, None] * sq_s + h[:, None] * sq_h + offs_d[None, :],
                 mask=row_in[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
 
     # visible key blocks of this tile's tokens, then this split's share of them

@@ -87,6 +87,10 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
         seqlen_q = tl.load(CuQ + b + 1) - q_start
         k_start = tl.load(CuK + b)
         seqlen_k = tl.load(CuK + b + 1) - k_start
+    # 64-bit base offsets: a batch of long sequences or a large cache passes 2**31 elements
+    bb = tl.cast(b, tl.int64)
+    q0 = tl.cast(q_start, tl.int64)
+    k0 = tl.cast(k_start, tl.int64)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return
@@ -94,11 +98,11 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_in = offs_m < seqlen_q
-    q = tl.load(Q + b * sq_b + (q_start + offs_m)[:, None] * sq_s + h * sq_h + offs_d[None, :],
+    q = tl.load(Q + bb * sq_b + q0 * sq_s + offs_m[:, None] * sq_s + h * sq_h + offs_d[None, :],
                 mask=row_in[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
-    k_seq = K + b * sk_b + k_start * sk_s + hk * sk_h  # key row 0 of this sequence and KV head
-    v_seq = V + b * sv_b + k_start * sv_s + hk * sv_h
-    kr_ptrs = KR + b * skr_b + h * skr_h + (q_start + offs_m)[:, None] * skr_s
+    k_seq = K + bb * sk_b + k0 * sk_s + hk * sk_h  # key row 0 of this sequence and KV head
+    v_seq = V + bb * sv_b + k0 * sv_s + hk * sv_h
+    kr_ptrs = KR + bb * skr_b + h * skr_h + q0 * skr_s + offs_m[:, None] * skr_s
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -156,9 +160,9 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(Out + b * so_b + (q_start + offs_m)[:, None] * so_s + h * so_h + offs_dv[None, :],
+    tl.store(Out + bb * so_b + q0 * so_s + offs_m[:, None] * so_s + h * so_h + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DV))
-    tl.store(Lse + b * sl_b + h * sl_h + q_start + offs_m, lse, mask=row_in)
+    tl.store(Lse + bb * sl_b + h * sl_h + q0 + offs_m, lse, mask=row_in)
 
 
 def attention_forward(call):
