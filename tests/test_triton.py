@@ -141,3 +141,31 @@ def test_gpu_decode_cuda_graph(paged):
             _check(before, out, lse, (), None)
     finally:
         S.set_value_checks(True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+def test_gpu_decode_page_offsets_past_2_31():
+    """Pages at the end of a >2**31-element paged cache: the offsets must be 64-bit."""
+    from dualattn import spec as S
+    impl = _impl()
+    ps, hkv, d, b, cap = 256, 8, 128, 2, 2048
+    n_pages = (1 << 31) // (ps * hkv * d) + 2 * (cap // ps) + 1
+    kc = torch.empty(n_pages, ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc = torch.empty_like(kc)
+    table = torch.arange(n_pages - b * (cap // ps), n_pages, device="cuda", dtype=torch.int32).reshape(b, cap // ps)
+    kc[table.flatten().long()] = torch.randn(b * (cap // ps), ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    vc[table.flatten().long()] = torch.randn(b * (cap // ps), ps, hkv, d, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(b, 1, 4 * hkv, d, device="cuda", dtype=torch.bfloat16)
+    kn, vn = (torch.randn(b, 2, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.tensor([cap - 2, 1000], dtype=torch.int32, device="cuda")
+    call = S.build_kvcache(q, kc, vc, cache_seqlens=lens, page_table=table, k_new=kn, v_new=vn, causal=True,
+                           return_lse=True)
+    out, lse = impl.forward(call)
+    torch.cuda.synchronize()
+    _check(call, out, lse, (), None)
+    last = table[0, -1].long()
+    assert torch.equal(kc[last, ps - 2:], kn[0])  # appended into the last page, past 2**31 elements
+    del kc, vc
+    torch.cuda.empty_cache()
