@@ -35,6 +35,7 @@ def main(argv=None) -> None:
     ap.add_argument("--hdim", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     args = ap.parse_args(argv)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
     print(f"{'hd':>4} {'causal':>6} {'seqlen':>6} {'sm120':>8} {'FA2':>8} {'ratio':>6}")
     for d in args.hdim:
         h = 2048 // d
-        for causal in (False, True):
+        for causal in {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]:
             for s in args.seqlens:
                 b = max(args.tokens // s, 1)
                 q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
