@@ -73,8 +73,7 @@ class FlashFwdSm80:
     """Kernel object for one static configuration; build via ``FlashFwdSm80(...)`` then ``cute.compile``."""
 
     def __init__(self, dtype, head_dim: int, cfg: TileConfig, *, varlen: bool, has_left: bool,
-                 has_right: bool, has_softcap: bool, block_sparse: bool = False, num_key_ranges: int = 0,
-                 heavy_first: bool = False):
+                 has_right: bool, has_softcap: bool, block_sparse: bool = False, num_key_ranges: int = 0):
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m, self.tile_n, self.num_threads = cfg.tile_m, cfg.tile_n, cfg.num_threads
@@ -83,9 +82,6 @@ class FlashFwdSm80:
         self.has_right = has_right
         self.has_softcap = has_softcap
         self.block_sparse = block_sparse
-        # grid order: query block slowest, so the longest causal tiles of every (batch, head) start
-        # first (longest-processing-time order); the default keeps one (batch, head)'s tiles together
-        self.heavy_first = heavy_first
         self.num_key_ranges = num_key_ranges  # R of key_ranges (static: intervals live in registers)
         assert self.tile_m % (16 * (self.num_threads // 32)) == 0, "whole m16 row slabs per warp"
         assert head_dim % 32 == 0
@@ -145,8 +141,6 @@ class FlashFwdSm80:
         tiled_mma = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (warps, 1, 1),
                                         permutation_mnk=(warps * 16, 16, 16))
         grid = (cute.ceil_div(seqlen_q, self.tile_m), heads_q, num_batch)
-        if cutlass.const_expr(self.heavy_first):
-            grid = (heads_q, num_batch, cute.ceil_div(seqlen_q, self.tile_m))
         self.kernel(mQ, mK, mV, mO, pLSE, mCuQ, mCuK, seqlen_q, seqlen_k, heads_q, heads_kv,
                     lse_stride_h, lse_stride_b, win_left, win_right, scale_log2, softcap_scale, softcap,
                     *bs, s_layout, skv_layout, g2s, s2g, tiled_mma, Smem).launch(
@@ -168,8 +162,6 @@ class FlashFwdSm80:
         tile_m, tile_n = self.tile_m, self.tile_n
         tidx, _, _ = cute.arch.thread_idx()
         bx, head, batch = cute.arch.block_idx()
-        if cutlass.const_expr(self.heavy_first):
-            head, batch, bx = cute.arch.block_idx()
         # longest query blocks first (causal): better tail balance across the grid
         m_block = cute.ceil_div(seqlen_q_arg, tile_m) - 1 - bx
         head_kv = head // (heads_q // heads_kv)  # GQA/MQA: KV head indexed in the kernel

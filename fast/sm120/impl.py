@@ -6,7 +6,6 @@ compile once per static configuration (explicit key), launch with runtime length
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -42,22 +41,15 @@ def compile_key(spec, arch: int) -> tuple:
     has_left, has_right, _, _ = window_bounds(spec)
     cfg = tile_config(spec.head_dim)
     return ("fwd", str(spec.dtype), spec.head_dim, spec.head_dim_v, cfg, spec.mode == "varlen",
-            has_left, has_right, spec.softcap > 0, spec.has_block_sparse, spec.num_key_ranges,
-            _heavy_first(spec), arch)
-
-
-def _heavy_first(spec) -> bool:
-    """Grid order (see FlashFwdSm80.heavy_first); DUALATTN_SM120_ORDER=lpt|grouped for tuning."""
-    mode = os.environ.get("DUALATTN_SM120_ORDER", "grouped")
-    return mode == "lpt" and (spec.causal or spec.has_window)
+            has_left, has_right, spec.softcap > 0, spec.has_block_sparse, spec.num_key_ranges, arch)
 
 
 def build_kernel(key: tuple) -> FlashFwdSm80:
-    _, dt, d, _dv, cfg, varlen, has_left, has_right, has_softcap, block_sparse, num_kr, heavy_first, _arch = key
+    _, dt, d, _dv, cfg, varlen, has_left, has_right, has_softcap, block_sparse, num_kr, _arch = key
     torch_dt = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16}[dt]
     return FlashFwdSm80(_cutlass_dtype(torch_dt), d, cfg, varlen=varlen, has_left=has_left,
                         has_right=has_right, has_softcap=has_softcap, block_sparse=block_sparse,
-                        num_key_ranges=num_kr, heavy_first=heavy_first)
+                        num_key_ranges=num_kr)
 
 
 def compile_args(kernel_dtype, ptrs=None, stream=None):
