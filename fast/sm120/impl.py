@@ -117,8 +117,8 @@ class FastSm120Forward:
         rows = spec.batch * max(spec.seqlen_q, spec.seqlen_k)
         if rows * max(spec.num_heads_q, spec.num_heads_kv) * spec.head_dim > _I32_MAX:
             return "tensors over 2**31 elements (32-bit indexing)"
-        if max(spec.batch, spec.num_heads_q, -(-spec.seqlen_q // cfg.tile_m)) > 65535:
-            return "grid limit: batch, query heads and query tiles must each be <= 65535"
+        if max(spec.batch, spec.num_heads_q) > 65535:  # grid y and z
+            return "grid limit: batch and query heads must each be <= 65535"
         if cfg.smem_bytes(spec.head_dim, spec.head_dim_v) > SMEM_LIMIT_SM120:
             return "tile does not fit 99 KB of shared memory"
         if spec.device_type != "cuda":
