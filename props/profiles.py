@@ -34,6 +34,10 @@ PROFILES = {
     "gpu": Limits("gpu", "cuda", max_batch=4, max_seqlen=300, max_heads_kv=4, max_gqa_ratio=8, max_key_ranges=4,
                   max_blocks=12, examples=60, watchdog_s=240.0),
     # long hunt; run with pytest -n <gpus> --hypothesis-show-statistics
+    # the ci profile inside a process with TRITON_INTERPRET=1: the Triton interpreter runs every
+    # program instance in numpy, so heads, batch and lengths stay smaller still
+    "ci-interp": Limits("ci-interp", "cpu", max_batch=2, max_seqlen=24, max_heads_kv=1, max_gqa_ratio=3,
+                        max_key_ranges=2, max_blocks=6, examples=10, watchdog_s=600.0),
     "campaign": Limits("campaign", "cuda", max_batch=6, max_seqlen=1100, max_heads_kv=8, max_gqa_ratio=8,
                        max_key_ranges=6, max_blocks=24, examples=2000, watchdog_s=600.0),
 }
@@ -43,9 +47,9 @@ _SUPPRESS = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filte
 for _name, _lim in PROFILES.items():
     settings.register_profile(
         f"dualattn-{_name}", deadline=None, suppress_health_check=_SUPPRESS, max_examples=_lim.examples,
-        derandomize=(_name == "ci"), print_blob=(_name != "ci"),
-        # the ci profile keeps no example database: a CI run is a pure function of the code
-        **({"database": None} if _name == "ci" else {}))
+        derandomize=_name.startswith("ci"), print_blob=not _name.startswith("ci"),
+        # the ci profiles keep no example database: a CI run is a pure function of the code
+        **({"database": None} if _name.startswith("ci") else {}))
 
 _current = None
 
@@ -54,6 +58,8 @@ def select(name: str | None = None) -> Limits:
     """Make ``name`` (default: $DUALATTN_PROPS_PROFILE, else "ci") the active profile."""
     global _current
     name = name or os.environ.get("DUALATTN_PROPS_PROFILE", "ci")
+    if name == "ci" and os.environ.get("TRITON_INTERPRET") == "1":
+        name = "ci-interp"
     if name not in PROFILES:
         raise ValueError(f"DUALATTN_PROPS_PROFILE / --props-profile: unknown profile {name!r}; "
                          f"choose one of {', '.join(PROFILES)}")
