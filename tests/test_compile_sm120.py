@@ -90,3 +90,14 @@ def test_smem_budget_all_head_dims(d):
     assert SMEM_LIMIT_SM120 == SMEM_LIMIT
     assert cfg.smem_bytes(d, d) <= SMEM_LIMIT
     assert cfg.tile_m % (16 * (cfg.num_threads // 32)) == 0
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(120)
+def test_smem_formula_matches_compiled():
+    from dualattn.fast.sm120.fwd import tile_config
+    from dualattn.fast.sm120.impl import compile_key, compile_uncached
+
+    spec = _spec(torch.bfloat16, 256, False, False, (-1, -1), 0.0)
+    _, kern = compile_uncached(compile_key(spec, 120), 120)
+    assert kern.smem_bytes == tile_config(256).smem_bytes(256, 256)

@@ -44,9 +44,10 @@ class TileConfig:
     num_threads: int
 
     def smem_bytes(self, head_dim: int, head_dim_v: int, elem_bytes: int = 2) -> int:
-        # Q tile (reused for O at the end) + one K stage + one V stage
+        # Q tile (reused for O at the end) + one K stage + one V stage, plus the CTA reduction
+        # slot of key-range tile skipping, padded to the struct's 1024-byte alignment
         return elem_bytes * (self.tile_m * max(head_dim, head_dim_v) + self.tile_n * head_dim
-                             + self.tile_n * head_dim_v)
+                             + self.tile_n * head_dim_v) + 1024
 
 
 # Tile table (head dim -> config). Every entry fits 99 KB; warps split the query rows in whole
@@ -100,7 +101,7 @@ class FlashFwdSm80:
                  pKR: cute.Pointer, kr_sb: Int32, kr_sh: Int32,
                  stream):
         D = self.head_dim
-        # contiguous (rows, heads, D): the row stride is heads * D, a multiple of 8 elements since
+        # contiguous (rows, heads, D): the row stride is heads * D, a multiple of 32 elements since
         # D is, so every row starts 16-byte aligned and 16-byte cp.async is legal
         mQ = cute.make_tensor(pQ, cute.make_layout((total_q, heads_q, D), stride=(cute.assume(heads_q * D, divby=32), D, 1)))
         mO = cute.make_tensor(pO, cute.make_layout((total_q, heads_q, D), stride=(cute.assume(heads_q * D, divby=32), D, 1)))
