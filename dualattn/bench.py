@@ -811,8 +811,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     progress = Progress(len(cells) * (len(impls) + len(peers)))
     print(table_header(peers), flush=True)
 
-    def stream(r, cell_results):  # rows appear as they are measured (a long run shows progress)
+    done: List[Result] = []
+
+    def stream(r, cell_results):  # rows appear as they are measured; the JSON is kept current too,
+        done.append(r)            # so a run stopped by a time limit still leaves its measurements
         print(format_row(r, peers, cell_results), flush=True)
+        if args.json:
+            write_json(args.json, done, meta)
     results = run_matrix(cells, impls, peers, timer, progress, on_result=stream)
     if args.json:
         write_json(args.json, results, meta)

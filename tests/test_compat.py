@@ -313,3 +313,28 @@ def test_impl_keyword_routes_through_dispatch():
         flash_attn_func(q, q, q, impl="cudnn")
     with dualattn.reference_mode():
         torch.testing.assert_close(flash_attn_func(q, q, q, impl="auto"), flash_attn_func(q, q, q, impl="torch"))
+
+
+def test_compat_compiles_without_graph_break():
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    cnt = CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(backend=cnt, fullgraph=True)
+    def f(q, k, v, kc, vc):
+        o = flash_attn_func(q, k, v, causal=True, window_size=(3, None), softcap=2.0, impl="torch")
+        d = flash_attn_with_kvcache(q[:, -1:], kc, vc, cache_seqlens=5, causal=True, impl="torch")
+        return o, d
+
+    q, k, v = rand(1, 8, 2, 8, grad=True), rand(1, 8, 2, 8, seed=1, grad=True), rand(1, 8, 2, 8, seed=2, grad=True)
+    kc, vc = rand(1, 8, 2, 8, seed=3), rand(1, 8, 2, 8, seed=4)
+    o, d = f(q, k, v, kc, vc)
+    o.sum().backward()
+    torch.testing.assert_close(o, flash_attn_func(q, k, v, causal=True, window_size=(3, None), softcap=2.0,
+                                                  impl="torch"))
+    torch.testing.assert_close(d, flash_attn_with_kvcache(q[:, -1:].detach(), kc, vc, cache_seqlens=5, causal=True,
+                                                          impl="torch"))
+    assert q.grad is not None and not counters["graph_break"]
