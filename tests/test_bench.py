@@ -36,6 +36,10 @@ def test_list_matrix(capsys):
     assert "2 cells" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.main(["--list", "--kind", "sideways"])
+    with pytest.raises(SystemExit):
+        bench.main(["--list", "--peers", "cudnn,bogus"])
+    assert bench.main(["--list", "--hdim", "64", "--seqlen", "16k", "--kind", "fwd", "--causal", "yes"]) == 0
+    assert "1 cells" in capsys.readouterr().out
 
 
 def test_standard_matrix_shape():
