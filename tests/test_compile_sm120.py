@@ -1,7 +1,8 @@
 """Compile-only (no GPU): the fast-sm120 forward traces and assembles for sm_120a and sm_80.
 
 Checks, per compiled config: the PTX uses warp-level mma.sync (m16n8k16, which ptxas turns into
-HMMA), 16-byte cp.async and ldmatrix; a cubin was produced; shared memory <= 99 KB (sm_120's
+HMMA; no disassembler is available in CI to grep the SASS itself), 16-byte cp.async and ldmatrix,
+no wgmma/tcgen05; a cubin for the target SM was produced; shared memory <= 99 KB (sm_120's
 per-block limit).
 
 Which configs: compiling all 2 dtypes x 8 head dims x 16 flag combinations per arch takes far
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import tempfile
 
 import pytest
@@ -72,6 +74,9 @@ def test_compiles(cfg):
         fn, kern = compile_uncached(compile_key(spec, arch), arch, f"--keep-ptx --keep-cubin --dump-dir {tmp}")
         ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
     assert isinstance(ptx, str) and isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    # the cubin's SM: ELF e_flags holds it in bits 0-7 (older CUDA ELF ABI) or 8-15 (newer)
+    e_flags = struct.unpack_from("<I", cubin, 0x30)[0]
+    assert arch in (e_flags & 0xFF, (e_flags >> 8) & 0xFF), hex(e_flags)
     target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
     assert re.search(rf"\.target\s+{target}\b", ptx), "PTX not built for " + target
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)", ptx)) > 0
