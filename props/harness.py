@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Callable, List, Optional
 
 import torch
+from hypothesis import event
 
 from dualattn import accuracy, debug, dispatch
 
@@ -155,6 +156,7 @@ def assert_matches_oracle(inp: Inputs, impls=None, refs=None):
     call = build_call(inp)
     dout = make_dout(call) if case.backward and case.mode != "kvcache" else None
     impls = applicable(call.spec) if impls is None else impls
+    event("implementations: " + ", ".join(i.name for i in impls))
     if refs is None:
         refs = accuracy.reference_pair(call, dout)
     for impl in impls:

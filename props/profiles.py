@@ -76,4 +76,5 @@ def examples(weight: float = 1.0) -> settings:
     """Settings of the active profile with max_examples scaled by ``weight`` (cheap properties
     get more examples, expensive ones fewer)."""
     lim = current()
-    return settings(settings.get_profile(f"dualattn-{lim.name}"), max_examples=max(1, int(lim.examples * weight)))
+    base = int(os.environ.get("DUALATTN_PROPS_EXAMPLES", lim.examples))  # quick runs: fewer examples
+    return settings(settings.get_profile(f"dualattn-{lim.name}"), max_examples=max(1, int(base * weight)))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import event, given, note
 from hypothesis import strategies as st
 
 from dualattn.sparse import ABSENT, FULL, MASK, BlockSparse
@@ -74,6 +74,7 @@ def test_index_locks_deadlock_exactly_when_visitors_are_not_a_prefix(bs, data):
             v = data.draw(walk_orders(protocol.visits_from(bs, b, h, "index")))
             res = protocol.simulate(v, adversary(data))
             expect_deadlock = protocol.index_lock_deadlocks(v)
+            event(f"index locks: {'deadlock' if expect_deadlock else 'completes'}")
             assert res.completed == (not expect_deadlock), (
                 f"(b={b}, h={h}) lock = key-block index: completed={res.completed}, but the visitor sets "
                 f"{protocol.visitors(v)} predict {'a deadlock' if expect_deadlock else 'completion'}")
