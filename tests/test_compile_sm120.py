@@ -106,3 +106,50 @@ def test_smem_formula_matches_compiled():
     spec = _spec(torch.bfloat16, 256, False, False, (-1, -1), 0.0)
     _, kern = compile_uncached(compile_key(spec, 120), 120)
     assert kern.smem_bytes == tile_config(256).smem_bytes(256, 256)
+
+
+# ---------------------------------------------------------------------------- backward (fast-sm120-train)
+# (arch, dtype, head_dim, varlen, causal, window, deterministic): both head dims (their tile configs
+# decide smem and registers), both dtypes, every flag of the backward compile key at least once
+BWD_CONFIGS = [
+    (120, torch.bfloat16, 64, False, True, (-1, -1), True),
+    (120, torch.float16, 128, True, False, (64, 16), False),
+    (120, torch.bfloat16, 128, False, True, (-1, -1), True),
+    (80, torch.float16, 64, True, False, (-1, -1), False),
+    (80, torch.bfloat16, 128, False, True, (32, -1), True),
+]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=lambda c: (f"sm{c[0]}-{str(c[1])[6:]}-d{c[2]}{'-varlen' if c[3] else ''}"
+                                                            f"{'-causal' if c[4] else ''}{'-win' if c[5] != (-1, -1) else ''}"
+                                                            f"{'-det' if c[6] else ''}"))
+def test_bwd_compiles(cfg):
+    arch, dtype, d, varlen, causal, window, det = cfg
+    from dataclasses import replace
+
+    from dualattn.fast.sm120.bwd import bwd_tile_config
+    from dualattn.fast.sm120.bwd_impl import backward_reason, compile_key, compile_uncached
+
+    spec = replace(_spec(dtype, d, varlen, causal, window, 0.0), deterministic=det, needs_grad=True)
+    assert backward_reason(spec) is None
+    with tempfile.TemporaryDirectory() as tmp:
+        fn, kern = compile_uncached(compile_key(spec, arch), arch, f"--keep-ptx --keep-cubin --dump-dir {tmp}")
+        ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    e_flags = struct.unpack_from("<I", cubin, 0x30)[0]
+    assert arch in (e_flags & 0xFF, (e_flags >> 8) & 0xFF), hex(e_flags)
+    target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    assert re.search(rf"\.target\s+{target}\b", ptx), "PTX not built for " + target
+    assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)", ptx)) > 0
+    assert re.search(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], 16", ptx), "no 16-byte cp.async"
+    assert "ldmatrix.sync.aligned" in ptx and ".trans" in ptx  # transposed operands (Q^T, dO^T, K^T, dS)
+    assert re.search(r"red\.(relaxed\.)?(gpu\.)?global\.add\.f32", ptx), "dQ is not accumulated by fp32 atomics"
+    if det:  # the semaphore: acquire load to wait, release add to signal
+        assert re.search(r"ld\.acquire\.gpu", ptx) and re.search(r"red\.release\.gpu", ptx)
+    assert "wgmma" not in ptx and "tcgen05" not in ptx
+    static_smem = sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx))
+    assert kern.smem_bytes + static_smem <= SMEM_LIMIT, (kern.smem_bytes, static_smem)
+    # the formula that can_implement uses is the compiled struct (plus alignment padding only)
+    assert 0 <= kern.smem_bytes - bwd_tile_config(d).smem_bytes(d) < 2048

@@ -18,6 +18,9 @@ from .fwd import SMEM_LIMIT_SM120, FlashFwdSm80, tile_config
 # compute capabilities this kernel runs on: it needs only mma.sync, ldmatrix and cp.async (SM80+)
 SUPPORTED_ARCHS = tuple(range(80, 90)) + (90, 120, 121)
 _I32_MAX = 2 ** 31 - 1
+# One switch for the backward: False leaves training calls to the other families again
+# (the "fast-sm120-train" implementation of bwd_impl.py is then not registered).
+BACKWARD_ENABLED = True
 MAX_KEY_RANGES = 4
 
 _cache = CompileCache()
@@ -97,7 +100,7 @@ class FastSm120Forward:
 
     def can_implement(self, spec) -> Optional[str]:
         if spec.needs_grad:
-            return "forward only: no backward kernel yet (use impl='triton' or 'torch' for gradients)"
+            return "inference only: training calls (backward) are served by fast-sm120-train"
         if spec.mode not in ("batched", "varlen"):
             return f"mode {spec.mode!r} not supported (batched and varlen only; no kv-cache/decode kernel)"
         if spec.dtype not in (torch.float16, torch.bfloat16):

@@ -1,0 +1,174 @@
+"""Host side of the fast-sm120 backward: what it serves, compile key, preprocess, launch, postprocess.
+
+Preprocess (torch, elementwise and memory-bound): delta = rowsum(dO * O) in fp32 and the LSE in
+log2 units with -inf (rows that see no key) turned into +inf, so exp2(s - lse2) is 0 there instead
+of NaN; both in the LSE layout. dQ is accumulated in an fp32 buffer by atomics (zeroed first) and
+converted to the output dtype afterwards.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from dualattn.fast.common.compile_cache import CompileCache, arch_string
+
+from .bwd import SMEM_LIMIT_SM120, SUPPORTED_HEAD_DIMS, FlashBwdSm80, bwd_tile_config
+
+_cache = CompileCache()
+LOG2_E = math.log2(math.e)
+
+
+def _window_bounds(spec):
+    wl, wr = spec.window
+    if spec.causal:
+        wr = 0 if wr < 0 else min(wr, 0)
+    return wl >= 0, wr >= 0, max(wl, 0), max(wr, 0)
+
+
+def backward_reason(spec) -> Optional[str]:
+    """None when the backward kernel serves ``spec`` (forward checks already passed), else why not."""
+    if spec.head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"backward: head dim {spec.head_dim} not supported (head dims {SUPPORTED_HEAD_DIMS})"
+    if spec.softcap > 0:
+        return "backward: softcap not supported"
+    if spec.num_key_ranges > 0:
+        return "backward: key ranges not supported"
+    if spec.has_block_sparse:
+        return "backward: block-sparse not supported"
+    if bwd_tile_config(spec.head_dim).smem_bytes(spec.head_dim) + 4096 > SMEM_LIMIT_SM120:
+        return "backward: tile does not fit 99 KB of shared memory"
+    if spec.batch * spec.num_heads_q * -(-max(spec.seqlen_q, 1) // 32) > 2 ** 31 - 1:
+        return "backward: too many (batch, head, query block) semaphores for 32-bit indexing"
+    return None
+
+
+def compile_key(spec, arch: int) -> tuple:
+    has_left, has_right, _, _ = _window_bounds(spec)
+    return ("bwd", str(spec.dtype), spec.head_dim, bwd_tile_config(spec.head_dim), spec.mode == "varlen",
+            has_left, has_right, bool(spec.deterministic), arch)
+
+
+def build_kernel(key: tuple) -> FlashBwdSm80:
+    import cutlass
+    _, dt, d, cfg, varlen, has_left, has_right, det, _arch = key
+    cdt = {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
+    return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det)
+
+
+def _ptrs(kernel_dtype, addrs):
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    def ptr(dt, addr, align):
+        return cute.runtime.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+    q, k, v, do, dk, dv, dq, lse, delta, sem, cuq, cuk = addrs
+    return [ptr(kernel_dtype, q, 16), ptr(kernel_dtype, k, 16), ptr(kernel_dtype, v, 16), ptr(kernel_dtype, do, 16),
+            ptr(kernel_dtype, dk, 16), ptr(kernel_dtype, dv, 16), ptr(Float32, dq, 16), ptr(Float32, lse, 4),
+            ptr(Float32, delta, 4), ptr(Int32, sem, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4)]
+
+
+def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
+    """Compile for ``key`` with placeholders for every runtime value; returns (fn, kernel object)."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    kern = build_kernel(key)
+    p = _ptrs(kern.dtype, (1 << 20,) * 12)
+    args = p + [Int32(1)] * 12 + [Float32(1.0)] * 2
+    fn = cute.compile(kern, *args, cuda.CUstream(0),
+                      options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
+    return fn, kern
+
+
+def compile_kernel(key: tuple, arch: int):
+    return _cache.get(key, lambda: compile_uncached(key, arch)[0])
+
+
+def compile_cache() -> CompileCache:
+    return _cache
+
+
+def run_backward(call, out, lse, dout, arch: int, aligned):
+    """(dq, dk, dv) for a call whose forward produced (out, lse)."""
+    import cuda.bindings.driver as cuda
+
+    spec = call.spec
+    varlen = spec.mode == "varlen"
+    q, k, v, do = (aligned(t) for t in (call.q, call.k, call.v, dout))
+    out = out.contiguous()
+    Hq, Hkv, D = spec.num_heads_q, spec.num_heads_kv, spec.head_dim
+    cfg = bwd_tile_config(D)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    if varlen:
+        total_q, total_k = q.shape[0], k.shape[0]
+        lse_sh, lse_sb = total_q, 0
+        # (total, H) -> (H, total), the LSE layout
+        delta = (do.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
+    else:
+        B, Sq, Sk = spec.batch, spec.seqlen_q, spec.seqlen_k
+        total_q, total_k = B * Sq, B * Sk
+        lse_sh, lse_sb = Sq, Hq * Sq
+        delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, Sq)
+    lse = lse.contiguous()
+    lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse * LOG2_E)
+    dq_acc = torch.zeros((max(total_q, 1), Hq, D), dtype=torch.float32, device=q.device)
+    if total_q == 0 or total_k == 0 or spec.batch == 0:
+        dk.zero_()
+        dv.zero_()
+        return torch.zeros_like(q), dk, dv
+    n_mblocks = -(-spec.seqlen_q // cfg.tile_m)
+    sem = torch.zeros((spec.batch * Hq * n_mblocks if spec.deterministic else 1,), dtype=torch.int32,
+                      device=q.device)
+    key = compile_key(spec, arch)
+    fn = compile_kernel(key, arch)
+    _, _, wl, wr = _window_bounds(spec)
+    cu_q = call.cu_seqlens_q if varlen else sem
+    cu_k = call.cu_seqlens_k if varlen else sem
+    import cutlass
+    cdt = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[spec.dtype]
+    p = _ptrs(cdt, (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+                    dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr(), cu_q.data_ptr(),
+                    cu_k.data_ptr()))
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    with torch.cuda.device(q.device):
+        fn(*p, total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb, wl, wr,
+           n_mblocks, spec.scale * LOG2_E, spec.scale, stream)
+    # keep the buffers of the asynchronous launch alive until the caller's stream moves on
+    call.extra["_sm120_bwd_keepalive"] = (lse2, delta, sem, q, k, v, do)
+    dq = dq_acc[:total_q].to(spec.dtype).view(q.shape)
+    return dq, dk, dv
+
+
+class FastSm120Train:
+    """Training calls (spec.needs_grad): the fast-sm120 forward kernel plus the backward kernel above.
+
+    A sibling of ``FastSm120Forward`` (which serves inference and refuses needs_grad): the dispatcher
+    reaches this one for training calls of the "fast" family.
+    """
+    name = "fast-sm120-train"
+    family = "fast"
+
+    def __init__(self, forward_impl):
+        self._fwd = forward_impl
+
+    def can_implement(self, spec) -> Optional[str]:
+        from dataclasses import replace
+        if not spec.needs_grad:
+            return "serves training calls only (inference goes to fast-sm120)"
+        # the backward's own limits first: they hold on any machine, the forward ends with the GPU checks
+        return backward_reason(spec) or self._fwd.can_implement(replace(spec, needs_grad=False))
+
+    def forward(self, call):
+        return self._fwd.forward(call)
+
+    def backward(self, call, out, lse, dout):
+        from dualattn import dispatch
+        from dualattn.fast.common.compile_cache import target_arch
+        from .impl import _aligned
+        arch = target_arch(dispatch.device_arch(call.q.device.index or 0))
+        return run_backward(call, out, lse, dout, arch, _aligned)

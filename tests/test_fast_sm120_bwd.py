@@ -1,0 +1,202 @@
+"""fast-sm120 backward (FA2 on mma.sync) against the torch oracle with the accuracy rule, on a GPU.
+
+Every GPU test runs under a thread-method timeout: a hung kernel (a semaphore that is never
+released in deterministic mode) fails the run instead of stalling it. CPU tests at the bottom
+check what the training implementation refuses. The whole GPU part takes well under 2 minutes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualattn.accuracy import check_outputs
+from dualattn.spec import AttentionSpec, build_dense, build_varlen
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def gpu_test(f):
+    f = pytest.mark.timeout(240, method="thread")(f)
+    f = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(f)
+    return pytest.mark.gpu(f)
+
+
+def _impl():
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120 import TRAIN_IMPL
+    if TRAIN_IMPL is None:
+        pytest.skip("fast-sm120 backward switched off (impl.BACKWARD_ENABLED)")
+    return TRAIN_IMPL
+
+
+def _poison_allocator(nbytes: int) -> None:
+    """Leave NaN in the caching allocator's free blocks, so outputs the kernel fails to write show up."""
+    x = torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")
+    del x
+
+
+def _grad_call(call):
+    from dataclasses import replace
+    return replace(call, spec=replace(call.spec, needs_grad=True))
+
+
+def _run_and_check(call, seed=0, bitwise_reruns=0):
+    impl = _impl()
+    call = _grad_call(call)
+    reason = impl.can_implement(call.spec)
+    assert reason is None, reason
+    out, lse = impl.forward(call)
+    g = torch.Generator(device="cuda").manual_seed(seed + 1000)
+    dout = torch.randn(out.shape, device="cuda", dtype=out.dtype, generator=g)
+    _poison_allocator(16 * (call.q.numel() + call.k.numel()))
+    dq, dk, dv = impl.backward(call, out, lse, dout)
+    torch.cuda.synchronize()
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.isfinite(t).all(), f"{name} has NaN/Inf"
+    checks = check_outputs(call, out, lse, dq, dk, dv, dout=dout)
+    assert all(c.ok for c in checks), f"{call.spec.short()}: " + "; ".join(str(c) for c in checks)
+    for _ in range(bitwise_reruns):
+        _poison_allocator(16 * call.q.numel())
+        dq2, dk2, dv2 = impl.backward(call, out, lse, dout)
+        torch.cuda.synchronize()
+        assert torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2), "not bitwise reproducible"
+    return dq, dk, dv
+
+
+def _qkv(B, Sq, Sk, Hq, Hkv, D, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_test
+def test_dense(dtype, D, causal):
+    _run_and_check(build_dense(*_qkv(2, 333, 333, 4, 4, D, dtype), causal=causal, return_lse=True))
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 1), (113, 203), (203, 113), (239, 1), (1, 239), (128, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128])
+@gpu_test
+def test_odd_shapes(sq, sk, causal, D):
+    # Sq > Sk with bottom-right causal leaves the first rows with no key: zero gradients there
+    _run_and_check(build_dense(*_qkv(1, sq, sk, 2, 2, D, torch.bfloat16, seed=sq * 7 + sk), causal=causal,
+                               return_lse=True), seed=sq)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (6, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_test
+def test_gqa(hq, hkv, causal):
+    _run_and_check(build_dense(*_qkv(2, 150, 270, hq, hkv, 64, torch.float16), causal=causal, return_lse=True))
+
+
+@pytest.mark.parametrize("window,causal", [((32, 0), False), ((16, 8), False), ((-1, 16), False), ((40, -1), False),
+                                           ((100, 3), True)])
+@pytest.mark.parametrize("sq,sk", [(300, 300), (130, 400), (400, 130)])
+@gpu_test
+def test_window(window, causal, sq, sk):
+    _run_and_check(build_dense(*_qkv(1, sq, sk, 2, 1, 128, torch.bfloat16), causal=causal, window=window,
+                               return_lse=True))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@gpu_test
+def test_varlen(causal):
+    lens_q = [17, 0, 1, 300, 129]
+    lens_k = [40, 5, 1, 300, 64]
+    cq = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    ck = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q = torch.randn(sum(lens_q), 4, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    _run_and_check(build_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=causal, return_lse=True))
+
+
+@pytest.mark.parametrize("D,causal,shape", [(64, True, (2, 700, 500, 8, 2)), (128, False, (1, 239, 203, 6, 1)),
+                                            (128, True, (1, 113, 1030, 4, 4)), (64, False, (1, 1, 1, 2, 1))])
+@gpu_test
+def test_deterministic_bitwise(D, causal, shape):
+    B, Sq, Sk, Hq, Hkv = shape
+    call = build_dense(*_qkv(B, Sq, Sk, Hq, Hkv, D, torch.bfloat16, seed=D), causal=causal, deterministic=True,
+                       return_lse=True)
+    _run_and_check(call, bitwise_reruns=3)
+
+
+@gpu_test
+def test_deterministic_window_varlen_bitwise():
+    lens = [300, 0, 517, 64]
+    cu = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(9)
+    T = sum(lens)
+    q, k, v = (torch.randn(T, 4, 64, device="cuda", dtype=torch.float16, generator=g) for _ in range(3))
+    call = build_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, window=(150, -1), deterministic=True,
+                        return_lse=True)
+    _run_and_check(call, bitwise_reruns=2)
+
+
+@gpu_test
+def test_autograd_through_api():
+    # impl="fast" serves a training call end to end through torch.autograd
+    import dualattn
+    _impl()
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 200, 260, 4, 2, 64, torch.bfloat16, seed=4))
+    out = dualattn.attention(q, k, v, causal=True, impl="fast")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    call = _grad_call(build_dense(q.detach(), k.detach(), v.detach(), causal=True, return_lse=True))
+    checks = check_outputs(call, out.detach(), None, q.grad, k.grad, v.grad, dout=dout)
+    assert all(c.ok for c in checks), "; ".join(str(c) for c in checks)
+
+
+# ---------------------------------------------------------------------------- CPU: refusals
+def _spec(**kw):
+    base = dict(mode="batched", batch=1, seqlen_q=128, seqlen_k=128, num_heads_q=4, num_heads_kv=4, head_dim=128,
+                head_dim_v=128, dtype=torch.bfloat16, device_type="cuda", needs_grad=True)
+    base.update(kw)
+    return AttentionSpec(**base)
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(needs_grad=False), "training calls only"),
+    (dict(softcap=10.0), "softcap"),
+    (dict(num_key_ranges=1), "key ranges"),
+    (dict(block_size=(128, 128)), "block-sparse"),
+    (dict(head_dim=96, head_dim_v=96), "head dim"),
+    (dict(head_dim=256, head_dim_v=256), "head dim"),
+    (dict(mode="kvcache"), "kvcache"),
+    (dict(device_type="cpu"), "CUDA"),
+])
+def test_train_impl_refuses_with_reason(kw, words):
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120 import IMPL
+    from dualattn.fast.sm120.bwd_impl import FastSm120Train
+    reason = FastSm120Train(IMPL).can_implement(_spec(**kw))
+    assert reason is not None and words in reason, reason
+
+
+def test_train_impl_accepts_supported_spec_up_to_the_gpu_check():
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120 import IMPL
+    from dualattn.fast.sm120.bwd_impl import FastSm120Train
+    for kw in (dict(), dict(head_dim=64, head_dim_v=64, causal=True, num_heads_kv=1, deterministic=True),
+               dict(mode="varlen", window=(64, 0), dtype=torch.float16)):
+        reason = FastSm120Train(IMPL).can_implement(_spec(**kw))
+        assert reason is None or reason.startswith("no CUDA GPU") or "sm_" in reason, reason
+
+
+def test_bwd_compile_key_ignores_runtime_values():
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120.bwd_impl import compile_key
+    a = compile_key(_spec(seqlen_q=5, seqlen_k=7, batch=3, num_heads_q=8, num_heads_kv=2, scale=0.1), 90)
+    b = compile_key(_spec(seqlen_q=4096, seqlen_k=100, batch=1, num_heads_q=4, num_heads_kv=4), 90)
+    assert a == b
+    assert compile_key(_spec(causal=True), 90) != compile_key(_spec(), 90)
+    assert compile_key(_spec(deterministic=True), 90) != compile_key(_spec(), 90)
+    assert compile_key(_spec(), 120) != compile_key(_spec(), 90)
