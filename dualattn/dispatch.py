@@ -9,6 +9,10 @@ An implementation is an object with
   ``lse`` fp32, natural log, ``(B, Hq, Sq)``, or ``(Hq, total_q)`` for varlen
 * ``backward(call, out, lse, dout) -> (dq, dk, dv)`` (only asked when ``spec.needs_grad``)
 
+Optionally ``auto_skip(spec) -> Optional[str]``: a reason why impl="auto" should pass this
+implementation over (it can serve the call, but something later in the order is measured to be
+faster there); impl="auto" then comes back to it only if nothing later can serve.
+
 Several implementations may share a family (the fast family has one class per arch and
 direction); ``impl="fast"`` takes the first of its family that accepts the call.
 Implementations are picked up from here by the API, the CLI and the property tests alike.
@@ -98,24 +102,46 @@ def select(spec, impl: str = "auto"):
                 f"impl={impl!r} cannot serve this call ({spec.short()}): " + "; ".join(reasons)
                 + (f". Implementations that can: {', '.join(can)}" if can else ""))
         return chosen
+    chosen = _auto_choice(spec)
+    if chosen is not None:
+        return chosen
     all_reasons = []
     for fam in FAMILIES:
-        chosen, reasons = family_reasons(spec, fam)
-        if chosen is not None:
-            return chosen
-        all_reasons += reasons
+        all_reasons += family_reasons(spec, fam)[1]
     raise NotImplementedError(f"no implementation can serve this call ({spec.short()}): " + "; ".join(all_reasons))
+
+
+def _auto_choice(spec):
+    """First implementation, in family order, that can serve and does not ask to be passed over;
+    failing that, the first that can serve at all."""
+    _load()
+    fallback = None
+    for fam in FAMILIES:
+        for impl in _REGISTRY[fam]:
+            if impl.can_implement(spec) is not None:
+                continue
+            skip = getattr(impl, "auto_skip", None)
+            if skip is not None and skip(spec) is not None:
+                fallback = fallback or impl
+                continue
+            return impl
+    return fallback
 
 
 def explain_spec(spec) -> str:
     lines = [f"call: {spec.short()}"]
-    picked = None
+    picked = _auto_choice(spec)
     for fam in FAMILIES:
-        chosen, reasons = family_reasons(spec, fam)
-        for r in reasons:
-            lines.append(f"  {fam:7s} no   {r}")
-        if chosen is not None:
-            mark = "<- auto picks this" if picked is None else ""
-            picked = picked or chosen
-            lines.append(f"  {fam:7s} yes  {chosen.name} {mark}".rstrip())
+        _load()
+        if not _REGISTRY[fam]:
+            lines.append(f"  {fam:7s} no   {family_reasons(spec, fam)[1][0]}")
+        for impl in _REGISTRY[fam]:
+            r = impl.can_implement(spec)
+            if r is not None:
+                lines.append(f"  {fam:7s} no   {impl.name}: {r}")
+                continue
+            skip = getattr(impl, "auto_skip", None)
+            why = skip(spec) if skip is not None else None
+            mark = "<- auto picks this" if impl is picked else (f"(auto passes over it: {why})" if why else "")
+            lines.append(f"  {fam:7s} yes  {impl.name} {mark}".rstrip())
     return "\n".join(lines)

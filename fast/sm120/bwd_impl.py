@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from dualattn import dispatch
+
 import torch
 
 from dualattn.fast.common.compile_cache import CompileCache, arch_string
@@ -155,6 +157,15 @@ class FastSm120Train:
 
     def __init__(self, forward_impl):
         self._fwd = forward_impl
+
+    def auto_skip(self, spec) -> Optional[str]:
+        # On Hopper this portable mma.sync kernel is slower than the Triton reference in most
+        # cells (H200, bf16, bench --quick: fwd hd128 8k 369 vs 483 TFLOP/s, window 228 vs 379;
+        # backward 0.6-0.7x FA2 vs Triton's 0.8-0.9x), and fast-sm90 is the Hopper kernel.
+        # impl="fast" still uses it; impl="auto" prefers Triton there.
+        if dispatch.device_arch() == 90:
+            return "on sm_90 the Triton kernels are measured faster than this portable kernel"
+        return None
 
     def can_implement(self, spec) -> Optional[str]:
         from dataclasses import replace
