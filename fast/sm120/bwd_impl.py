@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from dualattn import dispatch
-
 import torch
 
+from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string
 
 from .bwd import SMEM_LIMIT_SM120, SUPPORTED_HEAD_DIMS, FlashBwdSm80, bwd_tile_config
