@@ -133,3 +133,90 @@ def test_trace_time_checks_catch_bad_configs():
     from dualattn.fast.sm90.flash_fwd import FlashFwdSm90
     with pytest.raises(PipelineConfigError):
         FlashFwdSm90(cutlass.BFloat16, 256, 256, False, 80, 3)
+
+
+# ---- cached-call fast path: packed arguments (pointers + shapes + strides in one struct) ----
+
+def test_packed_args_roundtrip_on_host():
+    """A host-only jit function reads every field kind back from the packed struct (runs on the
+    CPU: no kernel), so the packing protocol itself is checked end to end."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+    from dualattn.fast.common.launch_args import ArgSchema
+
+    sch = ArgSchema([("out", ("ptr", cutlass.Float32, 4)), ("a", "i32"), ("b", "i64"),
+                     ("c", "f32"), ("d", "i32")])
+
+    @cute.jit
+    def probe(args):
+        out_ptr, a, b, c, d = args.values
+        t = cute.make_tensor(out_ptr, cute.make_layout(4))
+        t[0] = Float32(a)
+        t[1] = Float32(b // 1024)
+        t[2] = c
+        t[3] = Float32(d)
+
+    fn = cute.compile(probe, sch.fake())
+    buf = torch.zeros(4, dtype=torch.float32)
+    fn(sch.pack(buf.data_ptr(), -5, 1 << 40, 2.5, 123456))
+    assert buf.tolist() == [-5.0, 2.0 ** 30, 2.5, 123456.0]
+    with pytest.raises(ValueError, match="duplicate"):
+        ArgSchema([("a", "i32"), ("a", "i64")])
+
+
+@pytest.mark.compile_only
+@pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (7, 3), 5.0)])
+def test_sm90_packed_args_build_the_right_tensors(causal, window, softcap):
+    """The kernel's host entry builds Q, K, V (strided views), O and LSE from the packed
+    argument: a host-only probe using the same builder (FlashFwdSm90.tensors_from_pointers)
+    reads Q/K/V elements and writes O/LSE elements of CPU tensors at the far corners, and
+    returns the scalars, so pointer, shape, stride and scalar wiring are checked on the CPU."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    B, Sq, Sk, Hq, Hkv, D = 2, 37, 53, 6, 2, 64
+    spec = _spec(D, causal, sq=Sq, sk=Sk, window=window, softcap=softcap)
+    fwd = FastSm90Forward()
+    kern = fwd.make_kernel(spec)
+    sch = fwd.arg_schema(spec)
+
+    @cute.jit
+    def probe(args, res_ptr):
+        vals = args.values
+        mQ, mK, mV, mO, mLSE = kern.tensors_from_pointers(*vals[:19])
+        r = cute.make_tensor(res_ptr, cute.make_layout(16))
+        r[0] = Float32(mQ[B - 1, Sq - 1, Hq - 1, D - 1])
+        r[1] = Float32(mQ[1, 2, 3, 4])
+        r[2] = Float32(mK[B - 1, Sk - 1, Hkv - 1, D - 1])
+        r[3] = Float32(mV[B - 1, Sk - 1, Hkv - 1, D - 1])
+        r[4] = Float32(mV[0, 5, 1, 7])
+        mO[B - 1, Sq - 1, Hq - 1, D - 1] = mO.element_type(3.0)
+        mO[1, 2, 3, 4] = mO.element_type(5.0)
+        mLSE[B - 1, Hq - 1, Sq - 1] = Float32(7.0)
+        mLSE[1, 2, 3] = Float32(9.0)
+        for i in cutlass.range_constexpr(6):
+            r[5 + i] = Float32(vals[19 + i])
+        r[11] = Float32(cute.size(mQ.shape[1]))
+        r[12] = Float32(cute.size(mK.shape[1]))
+
+    fn = cute.compile(probe, sch.fake(), make_ptr(cutlass.Float32, 0, AddressSpace.gmem, 4))
+    g = torch.Generator().manual_seed(0)
+    dt = torch.bfloat16
+    # q, k, v as strided views of larger buffers (like a packed qkv projection)
+    q = torch.randn(B, Sq, Hq + 2, D, generator=g).to(dt)[:, :, 1:Hq + 1]
+    kv = torch.randn(B, Sk, 2, Hkv, D, generator=g).to(dt)
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    out = torch.zeros(B, Sq, Hq, D, dtype=dt)
+    lse = torch.zeros(B, Hq, Sq)
+    res = torch.zeros(16)
+    tail = (*fwd.runtime_scalars(spec), 132)
+    fn(fwd.pack_args(sch.pack, tail, q, k, v, out, lse),
+       make_ptr(cutlass.Float32, res.data_ptr(), AddressSpace.gmem, 4))
+    exp = [q[-1, -1, -1, -1], q[1, 2, 3, 4], k[-1, -1, -1, -1], v[-1, -1, -1, -1], v[0, 5, 1, 7]]
+    assert res[:5].tolist() == [float(x) for x in exp]
+    assert res[5:11].tolist() == pytest.approx(list(tail))
+    assert res[11:13].tolist() == [Sq, Sk]
+    assert out[-1, -1, -1, -1] == 3.0 and out[1, 2, 3, 4] == 5.0 and out.count_nonzero() == 2
+    assert lse[-1, -1, -1] == 7.0 and lse[1, 2, 3] == 9.0 and lse.count_nonzero() == 2

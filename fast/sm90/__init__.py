@@ -8,6 +8,10 @@ Compile cache: one compiled kernel per ``compile_key(spec)`` = (kernel name, dty
 window-left?, window-right?, softcap?, tile_m, tile_n, stages, pingpong, overlap, persistent,
 separate O, arch). Batch, sequence lengths, head counts, window sizes, cap and scale are runtime
 values, so they never recompile.
+
+Launch: a cached call passes one packed argument (fast/common/launch_args.py: pointers, shapes,
+q/k/v strides, scalars in one ctypes struct) plus the stream to the compiled
+``FlashFwdSm90.from_packed``; no DLPack conversion per call (host overhead ~115 us -> ~10 us).
 """
 from __future__ import annotations
 
@@ -54,12 +58,22 @@ def _num_sms(device) -> int:
     return _NUM_SMS[idx]
 
 
+def _current_stream(device):
+    """The current CUDA stream of ``device`` as a CUstream (the cheap raw query where torch has it)."""
+    import cuda.bindings.driver as cuda
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    handle = raw(idx) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return cuda.CUstream(handle)
+
+
 class FastSm90Forward:
     name = "fast-sm90"
     family = "fast"
 
     def __init__(self) -> None:
         self.cache = CompileCache()
+        self._entries = {}
 
     # -- what it serves ------------------------------------------------------------------------
     def can_implement(self, spec) -> Optional[str]:
@@ -120,35 +134,35 @@ class FastSm90Forward:
                             window_left=wl, window_right=wr, softcap=sc)
 
     @staticmethod
-    def fake_args(spec):
-        """Shape-free stand-ins for compiling without tensors (dynamic B, S, H; static D)."""
+    def arg_schema(spec):
+        """Fields of the packed per-call argument (the order of FlashFwdSm90.tensors_from_pointers, then the scalars of __call__).
+        Pointer dtypes and alignments are compiled in; everything else is a runtime value."""
         import cutlass
-        import cutlass.cute as cute
-
+        from dualattn.fast.common.launch_args import ArgSchema
         dt = _cutlass_dtype(spec.dtype)
+        fields = [(n, ("ptr", dt, 16)) for n in ("q", "k", "v", "o")]
+        fields += [("lse", ("ptr", cutlass.Float32, 4))]
+        fields += [(n, "i32") for n in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")]
+        fields += [(f"{t}_stride_{m}", "i64") for t in "qkv" for m in "bsh"]
+        fields += [("scale_log2", "f32"), ("win_left", "i32"), ("win_right", "i32"),
+                   ("softcap_scale", "f32"), ("softcap", "f32"), ("num_sms", "i32")]
+        return ArgSchema(fields)
 
-        def t4(d, dtype=dt):
-            stride = (cute.sym_int64(), cute.sym_int64(), cute.sym_int64(), 1)
-            shape = (cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int())
-            return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=16)
-
-        lse = cute.runtime.make_fake_tensor(
-            cutlass.Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()),
-            stride=(cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
-        return (t4(spec.head_dim), t4(spec.head_dim), t4(spec.head_dim_v), t4(spec.head_dim_v),
-                lse, cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(0), cutlass.Float32(1.0),
-                cutlass.Float32(1.0), cutlass.Int32(132), cute.runtime.make_fake_stream())
+    def compile_for(self, spec, arch: int, keep_ptx: bool = False):
+        """Compile the packed-argument entry (FlashFwdSm90.from_packed) for ``arch``."""
+        import cutlass.cute as cute
+        import cuda.bindings.driver as cuda
+        opts = f"--gpu-arch {arch_string(arch)}" + (" --keep-ptx" if keep_ptx else "")
+        return cute.compile(self.make_kernel(spec).from_packed, self.arg_schema(spec).fake(),
+                            cuda.CUstream(0), options=opts)
 
     def compile_only(self, spec, arch: int = 90, keep_ptx: bool = True):
         """Trace and assemble for ``arch`` without a GPU; returns the compiled object."""
-        import cutlass.cute as cute
-        opts = f"--gpu-arch {arch_string(arch)}" + (" --keep-ptx" if keep_ptx else "")
-        return cute.compile(self.make_kernel(spec), *self.fake_args(spec), options=opts)
+        return self.compile_for(spec, arch, keep_ptx)
 
     @staticmethod
     def runtime_scalars(spec):
         """(scale_log2, win_left, win_right, softcap_scale, softcap) as kernel arguments."""
-        import cutlass
         left, right = spec.window
         if spec.causal:
             right = 0 if right < 0 else min(right, 0)  # causal AND window: the tighter bound
@@ -156,22 +170,46 @@ class FastSm90Forward:
             scale_log2, sc_scale, cap = math.log2(math.e), spec.scale / spec.softcap, spec.softcap
         else:
             scale_log2, sc_scale, cap = spec.scale * math.log2(math.e), 1.0, 1.0
-        return (cutlass.Float32(scale_log2), cutlass.Int32(max(left, 0)), cutlass.Int32(max(right, 0)),
-                cutlass.Float32(sc_scale), cutlass.Float32(cap))
+        return (float(scale_log2), max(left, 0), max(right, 0), float(sc_scale), float(cap))
 
     # -- run -----------------------------------------------------------------------------------
     @staticmethod
     def _prep(t: torch.Tensor) -> torch.Tensor:
-        # TMA needs a unit-stride head dim, 16-byte aligned strides and base
+        # TMA needs a unit-stride head dim, 16-byte aligned strides and base (a contiguous
+        # tensor has them: D is a multiple of 8; checked first because it is the cheap test)
+        if t.is_contiguous() and t.data_ptr() % 16 == 0:
+            return t
         ok = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
               and t.data_ptr() % 16 == 0)
         return t if ok else t.contiguous()
 
-    def forward(self, call):
-        import cutlass
-        import cuda.bindings.driver as cuda
-        from cutlass.cute.runtime import from_dlpack
+    def _entry(self, spec, device):
+        """(compiled fn, schema.pack, runtime scalars + num_sms) for a spec on a device; memoised
+        per (spec, device) so a repeated call does no key building or device queries."""
+        ek = (spec, device.index)
+        hit = self._entries.get(ek)
+        if hit is not None:
+            return hit
+        arch = target_arch(dispatch.device_arch(device.index or 0))
+        key = self.compile_key(spec, arch)
+        fn = self.cache.get(key, lambda: self.compile_for(spec, arch))
+        tail = (*self.runtime_scalars(spec), _num_sms(device))
+        hit = (fn, self.arg_schema(spec).pack, tail)
+        if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
+            self._entries.clear()
+        self._entries[ek] = hit
+        return hit
 
+    @staticmethod
+    def pack_args(pack, tail, q, k, v, out, lse):
+        """The per-call packed argument: raw pointers, shapes, q/k/v strides, scalars."""
+        B, Sq, Hq, _ = q.shape
+        sq, sk, sv = q.stride(), k.stride(), v.stride()
+        return pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    B, Sq, k.shape[1], Hq, k.shape[2], sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+                    sv[0], sv[1], sv[2], *tail)
+
+    def forward(self, call):
         spec = call.spec
         q, k, v = (self._prep(x) for x in (call.q, call.k, call.v))
         B, Sq, Hq, _ = q.shape
@@ -182,25 +220,14 @@ class FastSm90Forward:
         lse = call.extra.get("lse")
         if lse is None:
             lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-        assert out.is_contiguous() and lse.is_contiguous()
+        # the kernel derives O's and LSE's strides from the shapes: they must be contiguous
+        assert out.is_contiguous() and lse.is_contiguous() and out.data_ptr() % 16 == 0
         if out.numel() == 0:
             return out, lse.fill_(-math.inf)
         if k.shape[1] == 0:  # no keys at all: every row is fully masked
             return out.zero_(), lse.fill_(-math.inf)
-
-        def cute_t(x, align):
-            return from_dlpack(x.detach(), assumed_align=align).mark_layout_dynamic(
-                leading_dim=x.dim() - 1)
-
-        args = (cute_t(q, 16), cute_t(k, 16), cute_t(v, 16), cute_t(out, 16), cute_t(lse, 4),
-                *self.runtime_scalars(spec),
-                cutlass.Int32(_num_sms(q.device)),
-                cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream))
-        arch = target_arch(dispatch.device_arch(q.device.index or 0))
-        key = self.compile_key(spec, arch)
-        import cutlass.cute as cute
-        fn = self.cache.get(key, lambda: cute.compile(self.make_kernel(spec), *args))
-        fn(*args)
+        fn, pack, tail = self._entry(spec, q.device)
+        fn(self.pack_args(pack, tail, q, k, v, out, lse), _current_stream(q.device))
         return out, lse
 
     def backward(self, call, out, lse, dout):

@@ -211,6 +211,36 @@ class FlashFwdSm90:
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  smem=SharedStorage.size_in_bytes())
 
+    def tensors_from_pointers(self, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, batch, seqlen_q,
+                              seqlen_k, heads_q, heads_kv, q_stride_b, q_stride_s, q_stride_h,
+                              k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s,
+                              v_stride_h):
+        """(mQ, mK, mV, mO, mLSE) as ``__call__`` takes them, from raw pointers, shapes and q/k/v
+        strides (called while tracing). O (B, Sq, Hq, Dv) and LSE (B, Hq, Sq) are contiguous."""
+        D, Dv = self.head_dim, self.head_dim_v
+        mQ = cute.make_tensor(q_ptr, cute.make_layout(
+            (batch, seqlen_q, heads_q, D), stride=(q_stride_b, q_stride_s, q_stride_h, 1)))
+        mK = cute.make_tensor(k_ptr, cute.make_layout(
+            (batch, seqlen_k, heads_kv, D), stride=(k_stride_b, k_stride_s, k_stride_h, 1)))
+        mV = cute.make_tensor(v_ptr, cute.make_layout(
+            (batch, seqlen_k, heads_kv, Dv), stride=(v_stride_b, v_stride_s, v_stride_h, 1)))
+        o_stride_s = cutlass.Int64(heads_q) * Dv
+        mO = cute.make_tensor(o_ptr, cute.make_layout(
+            (batch, seqlen_q, heads_q, Dv), stride=(o_stride_s * seqlen_q, o_stride_s, Dv, 1)))
+        lse_stride_h = cutlass.Int64(seqlen_q)
+        mLSE = cute.make_tensor(lse_ptr, cute.make_layout(
+            (batch, heads_q, seqlen_q), stride=(lse_stride_h * heads_q, lse_stride_h, 1)))
+        return mQ, mK, mV, mO, mLSE
+
+    @cute.jit
+    def from_packed(self, args, stream):
+        """Host entry for the cached-call fast path: ``args`` is a
+        ``fast.common.launch_args.PackedArgs`` (fields: FastSm90Forward.arg_schema) holding
+        pointers, shapes, strides and the scalars; no DLPack conversion per call."""
+        vals = args.values
+        mQ, mK, mV, mO, mLSE = self.tensors_from_pointers(*vals[:19])
+        self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:], stream)
+
     def _smem_layout(self, shape, stages):
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, shape[1]), self.dtype)

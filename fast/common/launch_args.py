@@ -1,0 +1,101 @@
+"""Cheap per-call kernel arguments for compiled CuTe DSL functions.
+
+Calling a compiled function converts every argument in Python: a torch tensor through DLPack
+(``from_dlpack`` + ``mark_layout_dynamic``, tens of microseconds for a few tensors) and every
+scalar through a numeric cast (about 2 us each). ``PackedArgs`` replaces all of that with one
+argument that implements the DSL's JitArgument protocol (``__get_mlir_types__``,
+``__new_from_mlir_values__``, ``__c_pointers__``): the scalars and raw pointers of one launch
+live in a single ctypes struct, filled positionally per call, and the executor is handed the
+precomputed field addresses. Inside the jit function the fields come back as DSL values
+(``cute.Pointer``, ``Int32``, ``Int64``, ``Float32``) in declaration order.
+
+``ArgSchema`` is built once per compiled kernel (it fixes the field types; pointer dtypes and
+alignments are part of the compiled signature), ``schema.pack(*values)`` once per call.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+from typing import List, Sequence, Tuple
+
+_CTYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
+           "ptr": ctypes.c_void_p}
+# the same layout as a struct-module format (native alignment): one pack_into call per launch
+_FORMAT = {"i32": "i", "i64": "q", "f32": "f", "ptr": "P"}
+
+
+class ArgSchema:
+    """Field list [(name, kind)] with kind "i32", "i64", "f32" or ("ptr", dtype, align)."""
+
+    def __init__(self, fields: Sequence[Tuple[str, object]]):
+        self.names = [n for n, _ in fields]
+        if len(set(self.names)) != len(self.names):
+            raise ValueError(f"duplicate field names in {self.names}")
+        self.kinds = [k if isinstance(k, str) else "ptr" for _, k in fields]
+        self.ptr_info = {n: k[1:] for n, k in fields if not isinstance(k, str)}
+        for n, k in zip(self.names, self.kinds):
+            if k not in _CTYPES:
+                raise ValueError(f"field {n}: unknown kind {k!r}")
+        self.struct = type("PackedArgsStruct", (ctypes.Structure,),
+                           {"_fields_": [(n, _CTYPES[k]) for n, k in zip(self.names, self.kinds)]})
+        self.offsets = [getattr(self.struct, n).offset for n in self.names]
+        self._packer = struct.Struct("@" + "".join(_FORMAT[k] for k in self.kinds))
+        # the struct-module layout must be the ctypes one (offsets of every field)
+        assert self._packer.size <= ctypes.sizeof(self.struct)
+        for i, off in enumerate(self.offsets):
+            probe = struct.calcsize("@" + "".join(_FORMAT[k] for k in self.kinds[:i + 1]))
+            assert probe == off + ctypes.sizeof(_CTYPES[self.kinds[i]]), (self.names[i], probe, off)
+
+    def prototypes(self) -> List[object]:
+        """Compile-time stand-ins of each field (DSL numerics and null pointers)."""
+        import cutlass
+        from cutlass.cute.runtime import make_ptr
+        from cutlass.cute.typing import AddressSpace
+        out = []
+        for n, k in zip(self.names, self.kinds):
+            if k == "ptr":
+                dtype, align = self.ptr_info[n]
+                out.append(make_ptr(dtype, 0, AddressSpace.gmem, assumed_align=align))
+            else:
+                out.append({"i32": cutlass.Int32, "i64": cutlass.Int64, "f32": cutlass.Float32}[k](0))
+        return out
+
+    def fake(self) -> "PackedArgs":
+        """An instance for compiling (values all zero)."""
+        return PackedArgs(self, self.struct())
+
+    def pack(self, *values) -> "PackedArgs":
+        """One launch's values, positionally in field order (pointers as integer addresses)."""
+        storage = self.struct()
+        self._packer.pack_into(storage, 0, *values)
+        return PackedArgs(self, storage)
+
+
+class PackedArgs:
+    """One launch's arguments (see the module docstring). Inside a jit function, ``values`` is
+    the list of DSL values and ``args[name]`` looks one up by field name."""
+
+    def __init__(self, schema: ArgSchema, storage=None, values=None):
+        self.schema = schema
+        self.storage = storage
+        self.values = values
+
+    def __getitem__(self, name: str):
+        return self.values[self.schema.names.index(name)]
+
+    # -- JitArgument protocol ------------------------------------------------------------------
+    def __get_mlir_types__(self):
+        types = []
+        for p in self.schema.prototypes():
+            types.extend(p.__get_mlir_types__())
+        return types
+
+    def __new_from_mlir_values__(self, values):
+        out = []
+        for p, k, v in zip(self.schema.prototypes(), self.schema.kinds, values):
+            out.append(p.__new_from_mlir_values__([v]) if k == "ptr" else type(p)(v))
+        return PackedArgs(self.schema, None, out)
+
+    def __c_pointers__(self):
+        base = ctypes.addressof(self.storage)
+        return [base + off for off in self.schema.offsets]
