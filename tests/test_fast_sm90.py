@@ -68,6 +68,9 @@ for _c in (False, True):
     _case("softcap", 2, 777, 777, 4, 2, 128, "bfloat16", _c, softcap=20.0)
     _case("softcap", 1, 113, 203, 4, 4, 64, "float16", _c, softcap=5.0)
 _case("softcap", 1, 500, 500, 2, 1, 256, "bfloat16", False, window=(50, 0), softcap=10.0)
+# non-contiguous q / k / v (strides reach the kernel as runtime values)
+_case("strided", 2, 300, 517, 4, 2, 128, "bfloat16", False, strided=True)
+_case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
 
 
 def _run_worker(out_path: str) -> None:
@@ -84,9 +87,17 @@ def _run_worker(out_path: str) -> None:
             dt = getattr(torch, dtype)
             rec = {"name": name}
             try:
-                q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dt)
-                k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
-                v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
+                kw = dict(kw)
+                if kw.pop("strided", False):
+                    # strided views (a slice of a wider q, k and v interleaved in one buffer):
+                    # the launch passes q/k/v strides, not just shapes
+                    q = torch.randn(B, Sq, Hq + 3, D, device="cuda", dtype=dt)[:, :, 2:Hq + 2]
+                    kv = torch.randn(B, Sk, Hkv, 2, D, device="cuda", dtype=dt)
+                    k, v = kv[:, :, :, 0], kv[:, :, :, 1]
+                else:
+                    q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dt)
+                    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
+                    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
                 call = build_dense(q, k, v, causal=causal, return_lse=True, **kw)
                 impl = select(call.spec, "fast")
                 rec["impl"] = impl.name
@@ -152,5 +163,59 @@ def test_forward_matches_oracle(results, case):
     assert r["bitwise"], "two runs gave different bits"
 
 
+def _run_overhead_worker(out_path: str) -> None:
+    """Host overhead of a cached call: N back-to-back forward calls on a tiny problem without
+    synchronising (the GPU queue absorbs the launches), wall time / N. Then the last call's
+    outputs are checked against the oracle."""
+    import time
+
+    from dualattn.accuracy import check_outputs
+    from dualattn.dispatch import select
+    from dualattn.spec import build_dense
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    call = build_dense(q, k, v, causal=False, return_lse=True)
+    impl = select(call.spec, "fast")
+    rec = {"impl": impl.name}
+    impl.forward(call)  # compile + first launch
+    torch.cuda.synchronize()
+    n, per_call = 200, []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            o, lse = impl.forward(call)
+        per_call.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    rec["us_per_call"] = per_call
+    checks = check_outputs(call, o, lse)
+    rec["checks"] = [str(c) for c in checks]
+    rec["ok"] = all(c.ok for c in checks)
+    with open(out_path, "w") as f:
+        f.write(json.dumps(rec))
+
+
+@pytest.mark.gpu
+def test_cached_call_host_overhead(tmp_path):
+    """Prints the host time of a cached call (the issue's target is < 15 us); asserts only that
+    the results are right (timings vary with the host)."""
+    reason = _gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    path = str(tmp_path / "overhead.json")
+    proc = subprocess.run([sys.executable, __file__, "--overhead", path], timeout=300,
+                          capture_output=True, text=True)
+    assert os.path.exists(path), (proc.stdout + proc.stderr)[-3000:]
+    r = json.load(open(path))
+    assert r["impl"] == "fast-sm90", f"dispatcher picked {r['impl']}"
+    print(f"\nfast-sm90 cached-call host overhead (us/call, 5 rounds of 200 calls): "
+          f"{', '.join(f'{x:.1f}' for x in r['us_per_call'])}; min {min(r['us_per_call']):.1f}")
+    assert r["ok"], "; ".join(r["checks"])
+
+
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     _run_worker(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--overhead":
+    _run_overhead_worker(sys.argv[2])
