@@ -41,7 +41,6 @@ def api_run(fam, inp: S.Inputs, dout=None, **override):
         args[:3] = [t.detach().clone().requires_grad_(True) for t in args[:3]]
     fn = {"batched": dualattn.attention, "varlen": dualattn.attention_varlen,
           "kvcache": dualattn.attention_with_kvcache}[c.mode]
-    spec = S.build_call(inp, needs_grad=dout is not None).spec
     with harness.watchdog(S.build_call(inp, needs_grad=False), _FamilyLabel(fam), backward=dout is not None,
                           dout=dout):
         out, lse = fn(*args, return_lse=True, impl=fam, **kw)
@@ -49,7 +48,6 @@ def api_run(fam, inp: S.Inputs, dout=None, **override):
         if dout is not None:
             grads = torch.autograd.grad(out, args[:3], dout, allow_unused=True)
         harness.sync(inp.q.device)
-    del spec
     return (out.detach(), lse) + tuple(None if g is None else g.detach() for g in grads)
 
 
