@@ -3,9 +3,24 @@
     max|out - ref_hi| <= 2 * max|ref_lo - ref_hi| + eps
 
 ``ref_hi`` is the oracle in fp32 (fp64 for fp32 inputs), ``ref_lo`` the oracle run in the input
-dtype, and ``eps`` one unit roundoff of the input dtype times max|ref_hi| — the error of merely
-storing the exact result in that dtype. Entries where the reference LSE is -inf (rows with no
-visible key) must be -inf exactly; NaN anywhere fails.
+dtype, and ``eps = r u max|ref_hi|`` with ``u`` the unit roundoff of the input dtype and ``r``
+the number of roundings that FlashAttention's algorithm applies at the output's own magnitude,
+each at most u relative: for O and the gradients, the last arithmetic step and the store (r = 2);
+for LSE, computed in the log2 domain as every FlashAttention kernel does, the folded constant
+scale * log2(e), the scaled maximum, the sum ``m2 + log2(l)`` and the final ``* ln(2)`` (r = 4).
+(For 16-bit inputs the first term dominates; for fp32 inputs, where the fp32 oracle can land on
+the fp64 value by luck, eps is what remains.)
+
+To that eps adds the conditioning of the softmax, which no implementation escapes: scores are
+formed in fp32 accumulators (whatever the input dtype), and a rounding of a score s perturbs its
+probability by up to u32 |s| relative. With S a bound on |s| (scale * max|q_i| * max|k_j|, or the
+softcap), that is u32 * S on LSE and 2 u32 * S times the output's magnitude on O and the
+gradients. It is negligible for 16-bit inputs and matters for fp32 inputs with large logits.
+
+The gradients share one computation (dS feeds dQ and dK), so their magnitude scale is the
+largest of the three: a gradient whose exact value is 0 (dK with a single key) still carries
+the rounding of the terms that cancelled to give it. Entries where the reference LSE is -inf
+(rows with no visible key) must be -inf exactly; NaN anywhere fails.
 """
 from __future__ import annotations
 
@@ -32,12 +47,38 @@ class Check:
         return s + (f" at {self.worst}" if self.worst is not None and not self.ok else "") + (f" ({self.note})" if self.note else "")
 
 
+def _magnitude(t: torch.Tensor) -> float:
+    t = t.detach().to(torch.float64).cpu()
+    fin = torch.isfinite(t)
+    return float(torch.where(fin, t.abs(), torch.zeros_like(t)).max()) if t.numel() else 0.0
+
+
+# roundings at the output's magnitude (see the module docstring)
+ROUNDINGS = {"out": 2, "lse": 4, "dq": 2, "dk": 2, "dv": 2}
+
+
 def hi_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float32 else torch.float32
 
 
+def score_bound(call) -> float:
+    """An upper bound on |scaled score| for the call (Cauchy-Schwarz, or the softcap)."""
+    spec = call.spec
+    if spec.softcap > 0:
+        return spec.softcap
+    if call.q.numel() == 0 or call.k.numel() == 0:
+        return 0.0
+    qn = float(call.q.detach().float().norm(dim=-1).max())
+    kn = float(call.k.detach().float().norm(dim=-1).max())
+    if call.k_new is not None and call.k_new.numel():
+        kn = max(kn, float(call.k_new.detach().float().norm(dim=-1).max()))
+    return spec.scale * qn * kn
+
+
 def check_tensor(name: str, actual: torch.Tensor, ref_hi: torch.Tensor, ref_lo: torch.Tensor,
-                 dtype: torch.dtype) -> Check:
+                 dtype: torch.dtype, magnitude: Optional[float] = None, score_max: float = 0.0) -> Check:
+    """The rule for one output; ``magnitude`` overrides max|ref_hi| as the scale of eps and
+    ``score_max`` bounds |scaled score| (the conditioning term; 0 leaves it out)."""
     a = actual.detach().to(torch.float64).cpu()
     h = ref_hi.detach().to(torch.float64).cpu()
     lo = ref_lo.detach().to(torch.float64).cpu()
@@ -54,8 +95,10 @@ def check_tensor(name: str, actual: torch.Tensor, ref_hi: torch.Tensor, ref_lo: 
     fin = ~inf_ref
     diff = torch.where(fin, (a - h).abs(), torch.zeros_like(a))
     lo_diff = torch.where(fin & torch.isfinite(lo), (lo - h).abs(), torch.zeros_like(h))
-    scale = float(torch.where(fin, h.abs(), torch.zeros_like(h)).max()) if h.numel() else 0.0
-    eps = UNIT_ROUNDOFF[dtype] * scale
+    scale = _magnitude(h) if magnitude is None else magnitude
+    eps = ROUNDINGS.get(name, 2) * UNIT_ROUNDOFF[dtype] * scale
+    u32 = UNIT_ROUNDOFF[torch.float32]
+    eps += u32 * score_max * (1.0 if name == "lse" else 2.0 * scale)
     err = float(diff.max()) if diff.numel() else 0.0
     bound = 2.0 * (float(lo_diff.max()) if lo_diff.numel() else 0.0) + eps
     worst = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0]) if diff.numel() else None
@@ -74,10 +117,13 @@ def check_outputs(call, out, lse=None, dq=None, dk=None, dv=None, dout=None, ref
     """Apply the rule to every output given; ``refs`` may pass a precomputed reference_pair."""
     hi, lo = refs if refs is not None else reference_pair(call, dout if dq is not None else None)
     dt = call.spec.dtype
-    checks = [check_tensor("out", out, hi.out, lo.out, dt)]
+    smax = score_bound(call)
+    checks = [check_tensor("out", out, hi.out, lo.out, dt, score_max=smax)]
     if lse is not None:
-        checks.append(check_tensor("lse", lse, hi.lse, lo.lse, dt))
-    for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
-        if g is not None:
-            checks.append(check_tensor(name, g, getattr(hi, name), getattr(lo, name), dt))
+        checks.append(check_tensor("lse", lse, hi.lse, lo.lse, dt, score_max=smax))
+    grads = [(n, g) for n, g in (("dq", dq), ("dk", dk), ("dv", dv)) if g is not None]
+    grad_scale = max((_magnitude(getattr(hi, n)) for n, _ in grads), default=0.0)
+    for name, g in grads:
+        checks.append(check_tensor(name, g, getattr(hi, name), getattr(lo, name), dt, magnitude=grad_scale,
+                                   score_max=smax))
     return checks

@@ -151,7 +151,7 @@ def compare(call, impl: str = "auto", *, backward: bool = False, repro_dir: Opti
     rep = Report(chosen.name, call.spec, checks)
     rep.locations = [_locate(call, c.name, c.worst) for c in checks if not c.ok and c.worst is not None]
     if not rep.ok and repro_dir is not None:
-        rep.repro_path = save_repro(call, impl, repro_dir, backward=backward, dout=dout)
+        rep.repro_path = save_repro(call, chosen.name, repro_dir, backward=backward, dout=dout)
     return rep
 
 
@@ -160,7 +160,7 @@ def check_against_reference(call, chosen, out, lse) -> None:
     rep = Report(chosen.name, call.spec, checks)
     if not rep.ok:
         rep.locations = [_locate(call, c.name, c.worst) for c in checks if not c.ok]
-        rep.repro_path = save_repro(call, chosen.family, os.environ.get("DUALATTN_REPRO_DIR", "repros"))
+        rep.repro_path = save_repro(call, chosen.name, os.environ.get("DUALATTN_REPRO_DIR", "repros"))
         raise MismatchError(rep)
 
 

@@ -93,7 +93,16 @@ def family_reasons(spec, family: str) -> Tuple[Optional[object], List[str]]:
 def select(spec, impl: str = "auto"):
     """Return the implementation object for ``impl``; raise NotImplementedError when it cannot serve."""
     if impl not in ("auto",) + FAMILIES:
-        raise ValueError(f"impl: must be one of 'auto', {', '.join(repr(f) for f in FAMILIES)}; got {impl!r}")
+        # an implementation's own name (e.g. "fast-sm120-train"): used by repro files and tests
+        # to replay exactly the kernel that failed
+        named = [i for i in implementations() if i.name == impl]
+        if not named:
+            raise ValueError(f"impl: must be one of 'auto', {', '.join(repr(f) for f in FAMILIES)} "
+                             f"or an implementation name; got {impl!r}")
+        why = named[0].can_implement(spec)
+        if why is not None:
+            raise NotImplementedError(f"impl={impl!r} cannot serve this call ({spec.short()}): {why}")
+        return named[0]
     if impl != "auto":
         chosen, reasons = family_reasons(spec, impl)
         if chosen is None:

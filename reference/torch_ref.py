@@ -188,7 +188,10 @@ def attention_ref(call, compute_dtype=torch.float32, dout: Optional[torch.Tensor
     v = call.v.detach().requires_grad_(True)
     with torch.enable_grad():
         o, l = _forward(call, q, k, v, compute_dtype)
-        dq, dk, dv = torch.autograd.grad(o, (q, k, v), dout.to(compute_dtype), allow_unused=True)
+        if o.requires_grad:
+            dq, dk, dv = torch.autograd.grad(o, (q, k, v), dout.to(compute_dtype), allow_unused=True)
+        else:  # no query token at all (e.g. an empty varlen batch): nothing depends on q, k, v
+            dq = dk = dv = None
     z = lambda g, t: torch.zeros_like(t) if g is None else g
     return RefResult(o.detach(), (l.float() if compute_dtype != torch.float64 else l).detach(),
                      z(dq, q).to(compute_dtype) if dq is not None else torch.zeros_like(q, dtype=compute_dtype),
