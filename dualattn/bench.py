@@ -672,6 +672,18 @@ def write_json(path: str, results: List[Result], meta: dict) -> None:
         json.dump({"meta": meta, "results": [r.to_json() for r in results]}, f, indent=1)
 
 
+def load_results(path: str) -> List[Result]:
+    """Results written by --json, for --replot."""
+    with open(path) as f:
+        data = json.load(f)
+    out = []
+    for d in data["results"]:
+        cell = dict(d["cell"])
+        cell.pop("label", None)
+        out.append(Result(**{**d, "cell": Cell(**cell)}))
+    return out
+
+
 def plot(results: List[Result], path: str) -> None:
     """Bar charts: one panel per (kind, head dim, mask), x = sequence length, one colour per impl."""
     try:
@@ -759,6 +771,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="bar charts (needs matplotlib)")
+    p.add_argument("--replot", metavar="FILE.json", help="no measuring: draw --plot from an earlier --json "
+                   "(for GPU machines without matplotlib)")
     p.add_argument("--list", action="store_true", help="print the cells and exit (no GPU needed)")
     return p
 
@@ -776,6 +790,12 @@ def select_cells(args) -> List[Cell]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
+    if args.replot:
+        if not args.plot:
+            raise SystemExit("--replot needs --plot FILE.png")
+        plot(load_results(args.replot), args.plot)
+        print(f"# wrote {args.plot}")
+        return 0
     cells = select_cells(args)
     peers = [] if args.peers.strip().lower() == "none" else _csv(args.peers)
     bad = [p for p in peers if p not in PEERS + ("sdpa-math",)]

@@ -187,3 +187,16 @@ def test_autograd_peer_runner_paths_on_cpu():
     inp = bench.make_inputs(TINY[1], "cpu")
     grads = bench.peer_runner("sdpa-math", inp).fn()
     assert [g.shape for g in grads] == [inp.q.shape, inp.k.shape, inp.v.shape]
+
+
+def test_replot_from_json(tmp_path):
+    """A GPU machine without matplotlib writes --json; --replot draws it elsewhere, same results."""
+    pytest.importorskip("matplotlib", reason="matplotlib not installed (optional extra)")
+    results = bench.run_matrix(TINY, bench.select_impls(["torch"]), [], FakeTimer(), device="cpu")
+    path = tmp_path / "r.json"
+    bench.write_json(str(path), results, {"device": "cpu"})
+    loaded = bench.load_results(str(path))
+    assert [(r.cell, r.impl, r.rate) for r in loaded] == [(r.cell, r.impl, r.rate) for r in results]
+    out = tmp_path / "r.png"
+    assert bench.main(["--replot", str(path), "--plot", str(out)]) == 0
+    assert out.stat().st_size > 10_000
