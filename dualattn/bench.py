@@ -678,8 +678,7 @@ def load_results(path: str) -> List[Result]:
         data = json.load(f)
     out = []
     for d in data["results"]:
-        cell = dict(d["cell"])
-        cell.pop("label", None)
+        cell = {k: tuple(v) if isinstance(v, list) else v for k, v in d["cell"].items() if k != "label"}
         out.append(Result(**{**d, "cell": Cell(**cell)}))
     return out
 
