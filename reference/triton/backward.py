@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _block_range, _dot, _element_mask, _masked_block, _scores
+from .common import _block_range, _dot, _element_mask, _masked_block, _scores, _sequence_bounds
 from .launch import Launch, last_dim_contiguous
 
 
@@ -121,17 +121,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
     pid_bh = tl.program_id(1)
     b = pid_bh // num_heads_kv
     hk = pid_bh % num_heads_kv
-    q_start = 0
-    k_start = 0
-    if IS_VARLEN:
-        q_start = tl.load(CuQ + b)
-        seqlen_q = tl.load(CuQ + b + 1) - q_start
-        k_start = tl.load(CuK + b)
-        seqlen_k = tl.load(CuK + b + 1) - k_start
-    # 64-bit base offsets: a batch of long sequences or a large cache passes 2**31 elements
-    bb = tl.cast(b, tl.int64)
-    q0 = tl.cast(q_start, tl.int64)
-    k0 = tl.cast(k_start, tl.int64)
+    bb, q0, k0, seqlen_q, seqlen_k = _sequence_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, IS_VARLEN)
     n0 = pid_n * BLOCK_N
     if n0 >= seqlen_k:
         return
@@ -259,17 +249,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
     b = pid_bh // num_heads_q
     h = pid_bh % num_heads_q
     hk = h // gqa
-    q_start = 0
-    k_start = 0
-    if IS_VARLEN:
-        q_start = tl.load(CuQ + b)
-        seqlen_q = tl.load(CuQ + b + 1) - q_start
-        k_start = tl.load(CuK + b)
-        seqlen_k = tl.load(CuK + b + 1) - k_start
-    # 64-bit base offsets: a batch of long sequences or a large cache passes 2**31 elements
-    bb = tl.cast(b, tl.int64)
-    q0 = tl.cast(q_start, tl.int64)
-    k0 = tl.cast(k_start, tl.int64)
+    bb, q0, k0, seqlen_q, seqlen_k = _sequence_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, IS_VARLEN)
     m0 = pid_m * BLOCK_M
     if m0 >= seqlen_q:
         return

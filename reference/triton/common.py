@@ -54,6 +54,21 @@ def _dot(a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _sequence_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """Where sequence ``b`` starts and how long it is. Varlen: rows cu[b]..cu[b+1] of the packed
+    (total, H, D) tensors; batched: row 0 and the given lengths. The starts and the batch index come
+    back as int64, so base offsets of long batches or large caches (past 2**31 elements) do not wrap."""
+    q_start = 0
+    k_start = 0
+    if IS_VARLEN:
+        q_start = tl.load(CuQ + b)
+        seqlen_q = tl.load(CuQ + b + 1) - q_start
+        k_start = tl.load(CuK + b)
+        seqlen_k = tl.load(CuK + b + 1) - k_start
+    return tl.cast(b, tl.int64), tl.cast(q_start, tl.int64), tl.cast(k_start, tl.int64), seqlen_q, seqlen_k
+
+
+@triton.jit
 def _tanh(x):
     # tanh accurate to a few ulps of fp32, portable across the GPU backend and the interpreter.
     # (2 * sigmoid(2x) - 1 cancels for small x: an absolute error of ~u, i.e. softcap * u in the
