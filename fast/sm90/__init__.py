@@ -15,8 +15,11 @@ q/k/v strides, scalars in one ctypes struct) plus the stream to the compiled
 """
 from __future__ import annotations
 
+import atexit
 import math
 import os
+import shutil
+import tempfile
 from typing import Optional, Tuple
 
 import torch
@@ -152,7 +155,14 @@ class FastSm90Forward:
         """Compile the packed-argument entry (FlashFwdSm90.from_packed) for ``arch``."""
         import cutlass.cute as cute
         import cuda.bindings.driver as cuda
-        opts = f"--gpu-arch {arch_string(arch)}" + (" --keep-ptx" if keep_ptx else "")
+        opts = f"--gpu-arch {arch_string(arch)}"
+        if keep_ptx:
+            # the DSL names the PTX file after the function, not the config: a private folder per
+            # call keeps parallel compiles (pytest -n) from reading each other's files, and keeps
+            # the working directory clean
+            dump = tempfile.mkdtemp(prefix="dualattn-sm90-ptx-")
+            atexit.register(shutil.rmtree, dump, True)
+            opts += f" --keep-ptx --dump-dir {dump}"
         return cute.compile(self.make_kernel(spec).from_packed, self.arg_schema(spec).fake(),
                             cuda.CUstream(0), options=opts)
 
