@@ -66,12 +66,18 @@ def score_bound(call) -> float:
     spec = call.spec
     if spec.softcap > 0:
         return spec.softcap
-    if call.q.numel() == 0 or call.k.numel() == 0:
+    if spec.mode == "kvcache":
+        # only the keys a query can see: cache slots past cache_seqlens (and pages no table
+        # entry reaches) may hold anything, inf and NaN included
+        from dualattn.reference.torch_ref import gather_kvcache
+
+        keys = [kb for kb in gather_kvcache(call)[0] if kb.numel()]
+    else:
+        keys = [call.k] if call.k.numel() else []
+    if call.q.numel() == 0 or not keys:
         return 0.0
     qn = float(call.q.detach().float().norm(dim=-1).max())
-    kn = float(call.k.detach().float().norm(dim=-1).max())
-    if call.k_new is not None and call.k_new.numel():
-        kn = max(kn, float(call.k_new.detach().float().norm(dim=-1).max()))
+    kn = max(float(kb.detach().float().norm(dim=-1).max()) for kb in keys)
     return spec.scale * qn * kn
 
 

@@ -120,8 +120,10 @@ def _locate(call, name: str, idx) -> str:
         where = f"batch {b}, kv head {h}, key {col} (key block {col // bn})"
         if call.block_sparse is not None:
             bs = call.block_sparse
-            where += (f"; k2q CSR row {col // bn}: full {bs.k2q_full.row(min(b, bs.broadcast_shape[0]-1), 0, col // bn)} "
-                      f"mask {bs.k2q_mask.row(min(b, bs.broadcast_shape[0]-1), 0, col // bn)}")
+            # the CSR is per query head; kv head h serves query heads h * gqa_ratio ...
+            bb, hh = min(b, bs.broadcast_shape[0] - 1), min(h * spec.gqa_ratio, bs.broadcast_shape[1] - 1)
+            where += (f"; k2q CSR row {col // bn}: full {bs.k2q_full.row(bb, hh, col // bn)} "
+                      f"mask {bs.k2q_mask.row(bb, hh, col // bn)}")
     return f"worst {name}: {where}"
 
 
@@ -132,20 +134,23 @@ def _varlen_row(call, t, keys=False):
 
 
 def compare(call, impl: str = "auto", *, backward: bool = False, repro_dir: Optional[str] = None,
-            seed: int = 0) -> Report:
-    """Run ``impl`` and the oracle on ``call``; the accuracy rule on O, LSE (and dQ/dK/dV)."""
+            seed: int = 0, dout: Optional[torch.Tensor] = None) -> Report:
+    """Run ``impl`` and the oracle on ``call``; the accuracy rule on O, LSE (and dQ/dK/dV).
+
+    With ``backward``, ``dout`` is the output gradient (random from ``seed`` when not given)."""
     from dataclasses import replace
 
     chosen = dispatch.select(replace(call.spec, needs_grad=backward), impl)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    dout = None
     if backward:
-        shape = call.q.shape[:-1] + (call.v.shape[-1],)
-        dout = torch.randn(shape, generator=gen).to(call.q.device, call.q.dtype)
+        if dout is None:
+            shape = call.q.shape[:-1] + (call.v.shape[-1],)
+            dout = torch.randn(shape, generator=gen).to(call.q.device, call.q.dtype)
         out, lse = chosen.forward(replace(call, spec=replace(call.spec, needs_grad=True)))
         dq, dk, dv = chosen.backward(call, out, lse, dout)
         checks = accuracy.check_outputs(call, out, lse, dq, dk, dv, dout=dout)
     else:
+        dout = None
         out, lse = chosen.forward(call)
         checks = accuracy.check_outputs(call, out, lse)
     rep = Report(chosen.name, call.spec, checks)
@@ -224,5 +229,5 @@ def load_repro(path: str, device=None):
 
 def diff(path: str, impl: Optional[str] = None, device=None) -> Report:
     """Replay a repro file: the saved impl (or ``impl``) against the oracle."""
-    call, saved_impl, backward, _ = load_repro(path, device)
-    return compare(call, impl or saved_impl, backward=backward)
+    call, saved_impl, backward, dout = load_repro(path, device)
+    return compare(call, impl or saved_impl, backward=backward, dout=dout)

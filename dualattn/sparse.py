@@ -34,6 +34,11 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _check_block_size(block_m: int, block_n: int) -> None:
+    if int(block_m) <= 0 or int(block_n) <= 0:
+        raise ValueError(f"block_sparse: block size must be positive, got ({block_m}, {block_n})")
+
+
 @dataclass
 class BlockCSR:
     rowptr: torch.Tensor  # (B', H', rows + 1) int32
@@ -134,6 +139,7 @@ class BlockSparse:
 
     def __init__(self, q2k_full: BlockCSR, q2k_mask: BlockCSR, block_m: int, block_n: int,
                  seqlen_q: int, seqlen_k: int):
+        _check_block_size(block_m, block_n)
         self.block_m, self.block_n = int(block_m), int(block_n)
         self.seqlen_q, self.seqlen_k = int(seqlen_q), int(seqlen_k)
         self.q2k_full, self.q2k_mask = q2k_full, q2k_mask
@@ -206,6 +212,7 @@ class BlockSparse:
         """From a dense ``(B', H', n_qblocks, n_kblocks)`` tensor of ABSENT / MASK / FULL."""
         if states.dim() != 4:
             raise ValueError(f"states: expected (B', H', n_qblocks, n_kblocks), got {tuple(states.shape)}")
+        _check_block_size(block_m, block_n)
         want = (_cdiv(seqlen_q, block_m), _cdiv(seqlen_k, block_n))
         if tuple(states.shape[2:]) != want:
             raise ValueError(f"states: last dims {tuple(states.shape[2:])} must be (ceil(Sq/block_m), ceil(Sk/block_n)) = {want}")
@@ -240,6 +247,7 @@ class BlockSparse:
         if mask.dtype != torch.bool or mask.dim() != 4:
             raise ValueError(f"mask: expected a 4-D bool tensor (B', H', Sq, Sk), got {mask.dtype} {tuple(mask.shape)}")
         Bp, Hp, Sq, Sk = mask.shape
+        _check_block_size(block_m, block_n)
         nq, nk = _cdiv(Sq, block_m), _cdiv(Sk, block_n)
         pad = torch.zeros(Bp, Hp, nq * block_m, nk * block_n, dtype=torch.int8, device=mask.device)
         inr = torch.zeros_like(pad)
@@ -259,6 +267,7 @@ class BlockSparse:
         A block is full iff every element of it (inside the sequence) is visible and absent iff
         none is, so attention with or without this CSR gives the same result.
         """
+        _check_block_size(block_m, block_n)
         if key_ranges is None:
             dev = torch.device("cpu")
             Bp = Hp = 1
@@ -297,9 +306,8 @@ class BlockSparse:
     # ---- validation ----
     def validate(self) -> None:
         """Raise ValueError naming the array and the rule when the CSR is malformed."""
+        _check_block_size(self.block_m, self.block_n)
         nq, nk = self.n_qblocks, self.n_kblocks
-        if self.block_m <= 0 or self.block_n <= 0:
-            raise ValueError(f"block_sparse: block size must be positive, got ({self.block_m}, {self.block_n})")
         f, m = self.q2k_full, self.q2k_mask
         if f.rowptr.shape[:2] != m.rowptr.shape[:2] or f.col.shape[:2] != f.rowptr.shape[:2] \
                 or m.col.shape[:2] != m.rowptr.shape[:2]:

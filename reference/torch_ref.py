@@ -178,6 +178,10 @@ def attention_ref(call, compute_dtype=torch.float32, dout: Optional[torch.Tensor
                                     spec=spec, key_ranges=None, states=None, compute_dtype=compute_dtype)
             outs.append(o)
             lses.append(l)
+        if spec.batch == 0:  # torch.stack refuses an empty list
+            return RefResult(call.q.new_zeros(call.q.shape[:3] + (spec.head_dim_v,), dtype=compute_dtype),
+                             torch.zeros(0, spec.num_heads_q, spec.seqlen_q, dtype=torch.float32,
+                                         device=call.q.device))
         return RefResult(torch.stack(outs), torch.stack(lses).float())
     if dout is None:
         with torch.no_grad():

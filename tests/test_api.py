@@ -118,6 +118,56 @@ def test_compare_report_localizes_block_sparse(broken_fast, tmp_path):
     assert {c.name for c in rep2.checks} == {"out", "lse", "dq", "dk", "dv"}
 
 
+class _ZeroGrad:
+    """Right forward, zero gradients: right exactly when dO is zero."""
+
+    name = "zero-grad-test-impl"
+    family = "fast"
+
+    def can_implement(self, spec):
+        return None if spec.mode == "batched" else "test impl: batched only"
+
+    def forward(self, call):
+        from dualattn.reference.torch_ref import attention_ref
+
+        r = attention_ref(call)
+        return r.out.to(call.spec.dtype), r.lse
+
+    def backward(self, call, out, lse, dout):
+        return torch.zeros_like(call.q), torch.zeros_like(call.k), torch.zeros_like(call.v)
+
+
+def test_diff_replays_the_saved_dout(monkeypatch, tmp_path):
+    # diff used to draw a fresh dO instead of the one saved in the repro
+    dispatch.implementations()
+    monkeypatch.setitem(dispatch._REGISTRY, "fast", [_ZeroGrad()] + dispatch._REGISTRY["fast"])
+    q, k, v = qkv(sq=8, sk=8)
+    call = S.build_dense(q, k, v, return_lse=True)
+    path = debug.save_repro(call, "zero-grad-test-impl", str(tmp_path), backward=True,
+                            dout=torch.zeros(2, 8, 4, 16), name="zero.pt")
+    assert debug.diff(path).ok
+    path = debug.save_repro(call, "zero-grad-test-impl", str(tmp_path), backward=True,
+                            dout=torch.ones(2, 8, 4, 16), name="ones.pt")
+    assert not debug.diff(path).ok
+    # compare's own repro carries its dO (drawn from a non-default seed) to the replay
+    rep = dualattn.compare(call, "zero-grad-test-impl", backward=True, seed=7, repro_dir=str(tmp_path))
+    assert not rep.ok
+    _, _, _, dout = debug.load_repro(rep.repro_path)
+    gen = torch.Generator().manual_seed(7)
+    assert torch.equal(dout, torch.randn(2, 8, 4, 16, generator=gen))
+
+
+def test_locate_dk_names_the_csr_of_its_own_head():
+    # the dK/dV location used to print head 0's k2q row whatever the head
+    q, k, v = qkv(sq=16, sk=16, hq=4, hkv=2)
+    states = torch.zeros(1, 4, 2, 2, dtype=torch.int8)
+    states[0, 2, 1, 0] = 2  # query head 2 (kv head 1): query block 1 sees key block 0 in full
+    bs = dualattn.BlockSparse.from_block_states(states, 8, 8, 16, 16)
+    call = S.build_dense(q, k, v, block_sparse=bs)
+    assert "k2q CSR row 0: full [1] mask []" in debug._locate(call, "dk", (0, 3, 1, 0))
+    assert "k2q CSR row 0: full [] mask []" in debug._locate(call, "dk", (0, 3, 0, 0))
+
+
 def test_repro_roundtrip_every_mode(tmp_path):
     from dualattn import cases
     for case in cases.CASES:

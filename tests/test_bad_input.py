@@ -189,6 +189,17 @@ def test_csr_dtype():
                              8, 8, 16, 24)
 
 
+def test_csr_block_size_not_positive():
+    # a zero block size used to escape validation as ZeroDivisionError
+    for bm, bn in ((0, 8), (8, 0), (-8, 8)):
+        with pytest.raises(ValueError, match=r"block_sparse: block size must be positive"):
+            BlockSparse.from_csr(*_empty(2), *_empty(2), bm, bn, 16, 24)
+        with pytest.raises(ValueError, match=r"block_sparse: block size must be positive"):
+            BlockSparse.from_csr(*_empty(2), *_empty(2), bm, bn, 16, 24, validate=False)
+        with pytest.raises(ValueError, match=r"block_sparse: block size must be positive"):
+            BlockSparse.from_key_ranges(None, 16, 24, bm, bn)
+
+
 def test_block_sparse_wrong_shape_for_call():
     q, k, v = qkv()
     bs = BlockSparse.from_key_ranges(None, 32, 24, 8, 8)

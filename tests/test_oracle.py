@@ -149,3 +149,32 @@ def test_kvcache_paged_equals_contiguous_and_appends():
         assert torch.equal(kc[bb, n - 2:n], kn[bb])
         full = dualattn.attention(q[bb:bb + 1], kc[bb:bb + 1, :n], vc[bb:bb + 1, :n], causal=True, impl="torch")
         assert torch.allclose(full, a[bb:bb + 1], atol=1e-6)
+
+
+def test_kvcache_empty_batch():
+    # batch 0 used to crash the oracle (torch.stack of an empty list)
+    for page_table, kc in ((None, torch.randn(0, 8, 2, 16)),
+                           (torch.zeros(0, 2, dtype=torch.int32), torch.randn(5, 4, 2, 16))):
+        out, lse = dualattn.attention_with_kvcache(
+            torch.randn(0, 3, 4, 16), kc, torch.randn(kc.shape[:3] + (32,)),
+            cache_seqlens=torch.zeros(0, dtype=torch.int32), page_table=page_table, impl="torch", return_lse=True)
+        assert out.shape == (0, 3, 4, 32) and out.dtype == torch.float32
+        assert lse.shape == (0, 4, 3) and lse.dtype == torch.float32
+
+
+def test_accuracy_bound_ignores_unused_cache_slots():
+    """The score bound of a kv-cache call comes from the keys a query can see: garbage (inf, NaN)
+    in cache slots past cache_seqlens must neither fail a right answer nor pass a wrong one."""
+    from dualattn import accuracy
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 1, 2, 16, generator=g)
+    kc, vc = torch.randn(2, 16, 2, 16, generator=g), torch.randn(2, 16, 2, 16, generator=g)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    kc[0, 5:] = float("nan")
+    call = S.build_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True)
+    r = attention_ref(call)
+    assert all(c.ok for c in accuracy.check_outputs(call, r.out.clone(), r.lse.clone()))
+    kc[0, 5:] = float("inf")
+    call = S.build_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True)
+    assert not any(c.ok for c in accuracy.check_outputs(call, r.out + 1.0, r.lse + 1.0))
