@@ -144,7 +144,11 @@ def cmd_diff(args) -> int:
 
 def cmd_fuzz(args) -> int:
     env = dict(os.environ, DUALATTN_PROPS_PROFILE=args.profile)
-    cmd = [sys.executable, "-m", "pytest", "props/", "-q", "--hypothesis-show-statistics"] + args.pytest_args
+    # props/ sits next to the package in a source checkout; found from there, not from the cwd
+    props = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "props")
+    if not os.path.isdir(props):
+        props = "props/"
+    cmd = [sys.executable, "-m", "pytest", props, "-q", "--hypothesis-show-statistics"] + args.pytest_args
     return subprocess.call(cmd, env=env)
 
 

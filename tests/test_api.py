@@ -198,3 +198,12 @@ def test_cli_diff_exit_codes(broken_fast, tmp_path):
     r = _cli("diff", path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "ok" in r.stdout
+
+
+def test_cli_fuzz_from_another_directory(tmp_path):
+    # fuzz used to look for "props/" in the current directory
+    env = dict(os.environ, DUALATTN_PROGRESS="0")
+    r = subprocess.run([sys.executable, "-m", "dualattn", "fuzz", "--", "--collect-only", "-q"], capture_output=True,
+                       text=True, cwd=str(tmp_path), env=env, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "test_differential.py" in r.stdout
