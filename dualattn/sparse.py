@@ -333,6 +333,10 @@ class BlockSparse:
             raise ValueError("block_sparse: a block is listed both as full and as mask")
 
     def check_compatible(self, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, validate_values: bool = True):
+        for name, t in (("full_rowptr", self.q2k_full.rowptr), ("full_col", self.q2k_full.col),
+                        ("mask_rowptr", self.q2k_mask.rowptr), ("mask_col", self.q2k_mask.col)):
+            if t.device != self.device:
+                raise ValueError(f"block_sparse {name}: on device {t.device}, but full_rowptr is on {self.device}")
         Bp, Hp = self.broadcast_shape
         if Bp not in (1, batch):
             raise ValueError(f"block_sparse: batch dim {Bp} must be 1 or the batch {batch}")

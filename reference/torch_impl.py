@@ -31,6 +31,8 @@ class TorchImpl:
     family = "torch"
 
     def can_implement(self, spec):
+        if spec.mode == "kvcache" and spec.needs_grad:
+            return "no backward through the kv-cache path"
         return None
 
     def _compute_dtype(self, spec):

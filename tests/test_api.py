@@ -168,6 +168,16 @@ def test_locate_dk_names_the_csr_of_its_own_head():
     assert "k2q CSR row 0: full [] mask []" in debug._locate(call, "dk", (0, 3, 0, 0))
 
 
+def test_compare_backward_on_kvcache_says_why():
+    # the torch impl used to accept a kv-cache backward and crash on the missing gradients
+    g = torch.Generator().manual_seed(3)
+    call = S.build_kvcache(torch.randn(1, 1, 2, 16, generator=g), torch.randn(1, 8, 2, 16, generator=g),
+                           torch.randn(1, 8, 2, 16, generator=g), cache_seqlens=torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="no backward through the kv-cache path"):
+        dualattn.compare(call, "torch", backward=True)
+    assert dualattn.compare(call, "torch").ok
+
+
 def test_repro_roundtrip_every_mode(tmp_path):
     from dualattn import cases
     for case in cases.CASES:

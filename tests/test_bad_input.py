@@ -200,6 +200,15 @@ def test_csr_block_size_not_positive():
             BlockSparse.from_key_ranges(None, 16, 24, bm, bn)
 
 
+def test_csr_arrays_on_different_devices():
+    # a CSR array on another device than the others used to pass, then crash in the kernel
+    q, k, v = qkv()
+    frp, fcol = _csr([0, 1, 1], [0])
+    bs = BlockSparse.from_csr(frp, fcol.to("meta"), *_empty(2), 8, 8, 16, 24, validate=False)
+    raises(ValueError, r"^block_sparse full_col: on device meta", dualattn.attention, q, k, v, block_sparse=bs,
+           impl="torch")
+
+
 def test_block_sparse_wrong_shape_for_call():
     q, k, v = qkv()
     bs = BlockSparse.from_key_ranges(None, 32, 24, 8, 8)
