@@ -332,7 +332,12 @@ class BlockSparse:
         if bool(both.any()):
             raise ValueError("block_sparse: a block is listed both as full and as mask")
 
-    def check_compatible(self, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, validate_values: bool = True):
+    def check_compatible(self, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, validate_values: bool = True,
+                         exact_lengths: bool = False):
+        """Raise ValueError unless this pattern fits a call. ``exact_lengths`` (batched calls): the
+        pattern must have been built for exactly these lengths, since which blocks are full under
+        bottom-right causal or windows depends on them; varlen calls need only the block counts
+        of max_seqlen (their sequences are shorter and indexed locally)."""
         for name, t in (("full_rowptr", self.q2k_full.rowptr), ("full_col", self.q2k_full.col),
                         ("mask_rowptr", self.q2k_mask.rowptr), ("mask_col", self.q2k_mask.col)):
             if t.device != self.device:
@@ -342,7 +347,8 @@ class BlockSparse:
             raise ValueError(f"block_sparse: batch dim {Bp} must be 1 or the batch {batch}")
         if Hp not in (1, heads_q):
             raise ValueError(f"block_sparse: head dim {Hp} must be 1 or the number of query heads {heads_q}")
-        if _cdiv(seqlen_q, self.block_m) != self.n_qblocks or _cdiv(seqlen_k, self.block_n) != self.n_kblocks:
+        if (exact_lengths and (seqlen_q, seqlen_k) != (self.seqlen_q, self.seqlen_k)) or \
+                _cdiv(seqlen_q, self.block_m) != self.n_qblocks or _cdiv(seqlen_k, self.block_n) != self.n_kblocks:
             raise ValueError(f"block_sparse: built for seqlen ({self.seqlen_q}, {self.seqlen_k}) with blocks "
                              f"({self.block_m}, {self.block_n}); the call has ({seqlen_q}, {seqlen_k})")
         if validate_values:

@@ -264,7 +264,7 @@ def _check_key_ranges(kr, batch: int, hq: int, sq_total: int, sk: int, varlen: b
     return r
 
 
-def _check_block_sparse(bs, batch: int, hq: int, sq: int, sk: int, device):
+def _check_block_sparse(bs, batch: int, hq: int, sq: int, sk: int, device, exact_lengths: bool):
     if bs is None:
         return None
     from .sparse import BlockSparse
@@ -273,7 +273,7 @@ def _check_block_sparse(bs, batch: int, hq: int, sq: int, sk: int, device):
         raise TypeError(f"block_sparse: expected dualattn.BlockSparse, got {type(bs).__name__}")
     if bs.device != device:
         raise ValueError(f"block_sparse: on device {bs.device}, but q is on {device} (use .to(device))")
-    bs.check_compatible(batch, hq, sq, sk, validate_values=value_checks_enabled())
+    bs.check_compatible(batch, hq, sq, sk, validate_values=value_checks_enabled(), exact_lengths=exact_lengths)
     return (bs.block_m, bs.block_n)
 
 
@@ -300,7 +300,7 @@ def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=No
     _check_head_dim("v", Dv)
     window, softcap, scale = _check_scalars(causal, window, softcap, scale, D)
     r = _check_key_ranges(key_ranges, B, Hq, Sq, Sk, False, q.device)
-    bsz = _check_block_sparse(block_sparse, B, Hq, Sq, Sk, q.device)
+    bsz = _check_block_sparse(block_sparse, B, Hq, Sq, Sk, q.device, True)
     spec = AttentionSpec("batched", B, Sq, Sk, Hq, Hkv, D, Dv, q.dtype, q.device.type, causal, window,
                          softcap, scale, r, bsz, bool(deterministic), bool(return_lse))
     return AttentionCall(spec, q, k, v, key_ranges=key_ranges, block_sparse=block_sparse)
@@ -326,7 +326,7 @@ def build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     B = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, Tq, max_seqlen_q, "max_seqlen_q", q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, B + 1, Tk, max_seqlen_k, "max_seqlen_k", q.device)
     r = _check_key_ranges(key_ranges, B, Hq, Tq, max_seqlen_k, True, q.device)
-    bsz = _check_block_sparse(block_sparse, B, Hq, max_seqlen_q, max_seqlen_k, q.device)
+    bsz = _check_block_sparse(block_sparse, B, Hq, max_seqlen_q, max_seqlen_k, q.device, False)
     spec = AttentionSpec("varlen", B, int(max_seqlen_q), int(max_seqlen_k), Hq, Hkv, D, Dv, q.dtype,
                          q.device.type, causal, window, softcap, scale, r, bsz, bool(deterministic),
                          bool(return_lse))

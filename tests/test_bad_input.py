@@ -316,3 +316,12 @@ def test_num_splits_bad():
     q, kc, vc = kvc()
     raises(ValueError, r"^num_splits", dualattn.attention_with_kvcache, q, kc, vc,
            cache_seqlens=torch.tensor([3, 3], dtype=torch.int32), num_splits=-1)
+
+
+def test_block_sparse_built_for_other_lengths_same_block_counts():
+    # 16 x 24 and 10 x 24 have the same block counts with blocks of 8/16, but under bottom-right
+    # causal the diagonal sits elsewhere: the pattern's full blocks would be wrong
+    q, k, v = qkv(sq=10, sk=24)
+    bs = BlockSparse.from_key_ranges(None, 16, 24, 16, 8, causal=True)
+    raises(ValueError, r"^block_sparse: built for seqlen \(16, 24\)", dualattn.attention, q, k, v, causal=True,
+           block_sparse=bs)
