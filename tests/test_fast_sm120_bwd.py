@@ -11,6 +11,7 @@ import torch
 
 from dualattn.accuracy import check_outputs
 from dualattn.spec import AttentionSpec, build_dense, build_varlen
+from test_fast_sm120 import _qkv  # same inputs as the forward tests
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -61,14 +62,6 @@ def _run_and_check(call, seed=0, bitwise_reruns=0):
         torch.cuda.synchronize()
         assert torch.equal(dq, dq2) and torch.equal(dk, dk2) and torch.equal(dv, dv2), "not bitwise reproducible"
     return dq, dk, dv
-
-
-def _qkv(B, Sq, Sk, Hq, Hkv, D, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dtype, generator=g)
-    k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dtype, generator=g)
-    return q, k, v
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
