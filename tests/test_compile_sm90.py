@@ -220,3 +220,29 @@ def test_sm90_packed_args_build_the_right_tensors(causal, window, softcap):
     assert res[11:13].tolist() == [Sq, Sk]
     assert out[-1, -1, -1, -1] == 3.0 and out[1, 2, 3, 4] == 5.0 and out.count_nonzero() == 2
     assert lse[-1, -1, -1] == 7.0 and lse[1, 2, 3] == 9.0 and lse.count_nonzero() == 2
+
+
+# ---- varlen (cu_seqlens) ----
+
+VARLEN_CONFIGS = [(128, False), (64, True), (256, True)]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d,causal", VARLEN_CONFIGS, ids=[f"d{d}-{c}" for d, c in VARLEN_CONFIGS])
+def test_varlen_compiles_with_masked_store(d, causal):
+    spec = AttentionSpec("varlen", 3, 300, 500, 8, 2, d, d, torch.bfloat16, "cuda", causal=causal)
+    assert FastSm90Forward.can_implement_static(spec) is None
+    assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
+    assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
+    # O leaves through row-predicated 16-byte st.global from shared memory (no TMA store, which
+    # would cross sequence ends): 128 rows x d / 8 chunks over 256 threads
+    assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
+    assert ptx.count("st.global.v4") == (128 * d // 8) // 256
+
+
+def test_varlen_refusals_and_kvcache():
+    spec = AttentionSpec("kvcache", 1, 1, 64, 4, 4, 128, 128, torch.bfloat16, "cuda")
+    assert "kvcache" in FastSm90Forward.can_implement_static(spec)

@@ -73,6 +73,75 @@ _case("strided", 2, 300, 517, 4, 2, 128, "bfloat16", False, strided=True)
 _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
 
 
+# varlen: (name, seqlens_q, seqlens_k, Hq, Hkv, D, causal, kw); lengths include 0 and 1
+VARLEN_CASES = []
+for _c in (False, True):
+    for _d in (64, 128, 256):
+        VARLEN_CASES.append((f"varlen-odd-d{_d}{'-causal' if _c else ''}", [113, 0, 1, 300, 129],
+                             [203, 5, 1, 300, 0], 4, 2, _d, _c, {}))
+    VARLEN_CASES.append((f"varlen-long-d128{'-causal' if _c else ''}", [1000, 2049, 7],
+                         [1500, 2049, 300], 8, 1, 128, _c, {}))
+    VARLEN_CASES.append((f"varlen-gqa3-d96{'-causal' if _c else ''}", [257, 64, 128],
+                         [129, 640, 128], 6, 2, 96, _c, {}))
+VARLEN_CASES.append(("varlen-win-d128", [300, 17, 450], [700, 33, 450], 4, 2, 128, True,
+                     {"window": (40, 0)}))
+VARLEN_CASES.append(("varlen-softcap-d64", [77, 333], [333, 77], 2, 2, 64, False, {"softcap": 8.0}))
+for _c in (False, True):
+    # rows with no visible key (causal, Sq > Sk), single-row / single-key sequences, all-empty K
+    VARLEN_CASES.append((f"varlen-q239k1-d128{'-causal' if _c else ''}", [239, 1, 0], [1, 239, 0],
+                         2, 1, 128, _c, {}))
+    VARLEN_CASES.append((f"varlen-d192{'-causal' if _c else ''}", [130, 1, 257], [129, 2, 256],
+                         4, 2, 192, _c, {}))
+VARLEN_CASES.append(("varlen-nokeys-d64", [5, 17], [0, 0], 2, 2, 64, False, {}))
+VARLEN_CASES.append(("varlen-10docs-d128-causal", [409] * 9 + [415], [409] * 9 + [415], 4, 4, 128,
+                     True, {}))
+VARLEN_CASES.append(("varlen-fp16-d128", [333, 129], [129, 333], 4, 2, 128, False,
+                     {"dtype": "float16"}))
+
+
+def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
+    from dualattn.accuracy import check_outputs
+    from dualattn.dispatch import select
+    from dualattn.spec import build_varlen
+
+    kw = dict(kw)
+    dt = getattr(torch, kw.pop("dtype", "bfloat16"))
+    rec = {"name": name}
+    try:
+        cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device="cuda")
+        Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
+        q = torch.randn(Tq, Hq, D, device="cuda", dtype=dt)
+        k = torch.randn(Tk, Hkv, D, device="cuda", dtype=dt)
+        v = torch.randn(Tk, Hkv, D, device="cuda", dtype=dt)
+        call = build_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True,
+                            **kw)
+        impl = select(call.spec, "fast")
+        rec["impl"] = impl.name
+        outs, guard_ok = [], True
+        for _ in range(2):
+            # NaN-poisoned outputs with poisoned guard rows after the end: a store past the last
+            # sequence's end would overwrite them
+            buf = torch.full((Tq + 160, Hq, D), float("nan"), device="cuda", dtype=dt)
+            call.extra["out"] = buf[:Tq]
+            call.extra["lse"] = torch.full((Hq, Tq), float("nan"), device="cuda")
+            o, lse = impl.forward(call)
+            torch.cuda.synchronize()
+            guard_ok = guard_ok and bool(buf[Tq:].isnan().all())
+            outs.append((o.clone(), lse.clone()))
+        checks = check_outputs(call, outs[0][0], outs[0][1])
+        rec["checks"] = [str(c) for c in checks]
+        rec["ok"] = all(c.ok for c in checks) and guard_ok
+        if not guard_ok:
+            rec["checks"].append("guard rows after the last sequence were written")
+        rec["bitwise"] = bool(torch.equal(outs[0][0], outs[1][0])
+                              and torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num()))
+    except Exception as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    f.write(json.dumps(rec) + "\n")
+    f.flush()
+
+
 def _run_worker(out_path: str) -> None:
     """Run every case, one JSON line per case on stdout (flushed, so a hang keeps earlier lines)."""
     import dualattn.fast.sm90 as sm90
@@ -117,6 +186,9 @@ def _run_worker(out_path: str) -> None:
                 rec["error"] = f"{type(e).__name__}: {e}"
             f.write(json.dumps(rec) + "\n")
             f.flush()
+        sm90._PERSISTENT_ENV = ""
+        for case in VARLEN_CASES:
+            _run_varlen_case(f, *case)
 
 
 def _gpu_skip_reason():
@@ -213,6 +285,12 @@ def test_cached_call_host_overhead(tmp_path):
     print(f"\nfast-sm90 cached-call host overhead (us/call, 5 rounds of 200 calls): "
           f"{', '.join(f'{x:.1f}' for x in r['us_per_call'])}; min {min(r['us_per_call']):.1f}")
     assert r["ok"], "; ".join(r["checks"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=[c[0] for c in VARLEN_CASES])
+def test_varlen_forward_matches_oracle(results, case):
+    test_forward_matches_oracle(results, case)
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":

@@ -90,8 +90,8 @@ class FastSm90Forward:
         """The arch-independent part of can_implement (also used by the compile-only tests)."""
         if spec.device_type != "cuda":
             return "tensors are not on a CUDA device"
-        if spec.mode != "batched":
-            return f"mode {spec.mode!r} not supported (only dense batched calls; varlen/kvcache fall back)"
+        if spec.mode not in ("batched", "varlen"):
+            return f"mode {spec.mode!r} not supported (batched and varlen only; kvcache falls back)"
         if spec.dtype not in (torch.float16, torch.bfloat16):
             return f"dtype {spec.dtype} not supported (float16, bfloat16)"
         if spec.head_dim != spec.head_dim_v:
@@ -125,7 +125,8 @@ class FastSm90Forward:
         return spec.window[0] >= 0, spec.window[1] >= 0, spec.softcap > 0
 
     def compile_key(self, spec, arch: int):
-        return ("sm90_fwd", str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
+        name = "sm90_fwd_varlen" if spec.mode == "varlen" else "sm90_fwd"
+        return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), arch_string(arch))
 
     def make_kernel(self, spec):
@@ -134,7 +135,8 @@ class FastSm90Forward:
         wl, wr, sc = self.mask_flags(spec)
         return FlashFwdSm90(_cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v,
                             spec.causal, tile_n, stages, pingpong, overlap, persistent, separate_o,
-                            window_left=wl, window_right=wr, softcap=sc)
+                            window_left=wl, window_right=wr, softcap=sc,
+                            varlen=spec.mode == "varlen")
 
     @staticmethod
     def arg_schema(spec):
@@ -145,8 +147,14 @@ class FastSm90Forward:
         dt = _cutlass_dtype(spec.dtype)
         fields = [(n, ("ptr", dt, 16)) for n in ("q", "k", "v", "o")]
         fields += [("lse", ("ptr", cutlass.Float32, 4))]
-        fields += [(n, "i32") for n in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")]
-        fields += [(f"{t}_stride_{m}", "i64") for t in "qkv" for m in "bsh"]
+        if spec.mode == "varlen":  # order of FlashFwdSm90.from_packed_varlen
+            fields += [(n, ("ptr", cutlass.Int32, 4)) for n in ("cu_seqlens_q", "cu_seqlens_k")]
+            fields += [(n, "i32") for n in ("total_q", "total_k", "heads_q", "heads_kv", "batch",
+                                            "max_seqlen_q")]
+            fields += [(f"{t}_stride_{m}", "i64") for t in "qkv" for m in "sh"]
+        else:
+            fields += [(n, "i32") for n in ("batch", "seqlen_q", "seqlen_k", "heads_q", "heads_kv")]
+            fields += [(f"{t}_stride_{m}", "i64") for t in "qkv" for m in "bsh"]
         fields += [("scale_log2", "f32"), ("win_left", "i32"), ("win_right", "i32"),
                    ("softcap_scale", "f32"), ("softcap", "f32"), ("num_sms", "i32")]
         return ArgSchema(fields)
@@ -163,7 +171,9 @@ class FastSm90Forward:
             dump = tempfile.mkdtemp(prefix="dualattn-sm90-ptx-")
             atexit.register(shutil.rmtree, dump, True)
             opts += f" --keep-ptx --dump-dir {dump}"
-        return cute.compile(self.make_kernel(spec).from_packed, self.arg_schema(spec).fake(),
+        kern = self.make_kernel(spec)
+        entry = kern.from_packed_varlen if spec.mode == "varlen" else kern.from_packed
+        return cute.compile(entry, self.arg_schema(spec).fake(),
                             cuda.CUstream(0), options=opts)
 
     def compile_only(self, spec, arch: int = 90, keep_ptx: bool = True):
@@ -219,8 +229,36 @@ class FastSm90Forward:
                     B, Sq, k.shape[1], Hq, k.shape[2], sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
                     sv[0], sv[1], sv[2], *tail)
 
+    def _forward_varlen(self, call):
+        spec = call.spec
+        q, k, v = (self._prep(x) for x in (call.q, call.k, call.v))
+        Tq, Hq, _ = q.shape
+        out = call.extra.get("out")
+        if out is None:
+            out = torch.empty((Tq, Hq, spec.head_dim_v), dtype=q.dtype, device=q.device)
+        lse = call.extra.get("lse")
+        if lse is None:
+            lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device)
+        assert out.is_contiguous() and lse.is_contiguous() and out.data_ptr() % 16 == 0
+        if out.numel() == 0 or spec.batch == 0:
+            return out, lse.fill_(-math.inf)
+        if k.shape[0] == 0:  # no keys in any sequence
+            return out.zero_(), lse.fill_(-math.inf)
+        cu_q = call.cu_seqlens_q.to(torch.int32).contiguous()
+        cu_k = call.cu_seqlens_k.to(torch.int32).contiguous()
+        fn, pack, tail = self._entry(spec, q.device)
+        sq, sk, sv = q.stride(), k.stride(), v.stride()
+        args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                    cu_q.data_ptr(), cu_k.data_ptr(), Tq, k.shape[0], Hq, k.shape[1],
+                    spec.batch, max(spec.seqlen_q, 1), sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
+                    *tail)
+        fn(args, _current_stream(q.device))
+        return out, lse
+
     def forward(self, call):
         spec = call.spec
+        if spec.mode == "varlen":
+            return self._forward_varlen(call)
         q, k, v = (self._prep(x) for x in (call.q, call.k, call.v))
         B, Sq, Hq, _ = q.shape
         # call.extra may carry preallocated outputs (the tests pass NaN-poisoned ones)

@@ -98,8 +98,10 @@ class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
                  num_stages: int, pingpong: bool = True, overlap: bool = True,
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
-                 window_right: bool = False, softcap: bool = False):
+                 window_right: bool = False, softcap: bool = False, varlen: bool = False):
         self.dtype = dtype
+        # varlen: packed (total, H, D) tensors, per-sequence bounds from cu_seqlens (see __call__)
+        self.varlen = varlen
         self.head_dim = head_dim
         self.head_dim_v = head_dim_v
         self.causal = causal
@@ -136,8 +138,11 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale_log2: Float32, win_left: Int32,
                  win_right: Int32, softcap_scale: Float32, softcap_val: Float32, num_sms: Int32,
-                 stream):
-        """mQ/mO (B, Sq, Hq, D[v]), mK/mV (B, Sk, Hkv, D[v]), mLSE (B, Hq, Sq) fp32."""
+                 stream, vl=None):
+        """mQ/mO (B, Sq, Hq, D[v]), mK/mV (B, Sk, Hkv, D[v]), mLSE (B, Hq, Sq) fp32.
+
+        varlen: vl = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, num_batch); mQ/mO are
+        (1, total_q, Hq, D[v]), mK/mV (1, total_k, Hkv, D[v]), mLSE (1, Hq, total_q)."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mO.element_type != self.dtype):
             raise TypeError("q, k, v, o must all have the kernel's dtype")
@@ -199,15 +204,23 @@ class FlashFwdSm90:
         self.shared_storage = SharedStorage
         check_smem_budget({"total": SharedStorage.size_in_bytes()}, 0, self.arch)
 
-        num_m_blocks = cute.ceil_div(mQ.shape[0], BM)
-        grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
+        if const_expr(self.varlen):
+            num_m_blocks = cute.ceil_div(vl[2], BM)
+            grid = (num_m_blocks, cute.size(mQ.shape[2]), vl[3])
+        else:
+            num_m_blocks = cute.ceil_div(mQ.shape[0], BM)
+            grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         if const_expr(self.persistent):
             # one CTA per SM (shared memory allows one), each walking tiles with a stride
-            grid = (cutlass.min(self.num_tiles(mQ), num_sms), 1, 1)
+            grid = (cutlass.min(self.num_tiles(mQ, vl), num_sms), 1, 1)
+        # varlen stores O from registers with a row predicate (a TMA store of a tile would
+        # write past a sequence's end into the next one), so it gets the plain gmem tensor
         self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O,
+            mO if const_expr(self.varlen) else tma_O, mLSE,
             softmax_scale_log2, win_left, win_right, softcap_scale, softcap_val,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
+            *((vl,) if const_expr(self.varlen) else ()),
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  smem=SharedStorage.size_in_bytes())
 
@@ -241,6 +254,35 @@ class FlashFwdSm90:
         mQ, mK, mV, mO, mLSE = self.tensors_from_pointers(*vals[:19])
         self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:], stream)
 
+    @cute.jit
+    def from_packed_varlen(self, args, stream):
+        """Varlen host entry. ``args`` fields: q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k
+        pointers; total_q, total_k, heads_q, heads_kv, batch, max_seqlen_q; q/k/v token and head
+        strides; then the scalars of ``__call__``. Packed q (total_q, Hq, D), k/v (total_k, Hkv,
+        D[v]); O (total_q, Hq, Dv) and LSE (Hq, total_q) contiguous."""
+        (q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cuq_ptr, cuk_ptr, total_q, total_k, heads_q,
+         heads_kv, batch, max_seqlen_q, q_ss, q_sh, k_ss, k_sh, v_ss, v_sh) = args.values[:19]
+        D, Dv = self.head_dim, self.head_dim_v
+        # a leading batch mode of size 1 keeps __call__'s 4-D (B, S, H, D) convention
+        mQ = cute.make_tensor(q_ptr, cute.make_layout(
+            (1, total_q, heads_q, D), stride=(q_ss * total_q, q_ss, q_sh, 1)))
+        mK = cute.make_tensor(k_ptr, cute.make_layout(
+            (1, total_k, heads_kv, D), stride=(k_ss * total_k, k_ss, k_sh, 1)))
+        mV = cute.make_tensor(v_ptr, cute.make_layout(
+            (1, total_k, heads_kv, Dv), stride=(v_ss * total_k, v_ss, v_sh, 1)))
+        # the row stride is a multiple of Dv (16 bytes at least): stated so that the varlen
+        # epilogue's 16-byte stores at any row offset type-check
+        o_ss = cute.assume(cutlass.Int64(heads_q) * Dv, divby=Dv)
+        mO = cute.make_tensor(o_ptr, cute.make_layout(
+            (1, total_q, heads_q, Dv), stride=(o_ss * total_q, o_ss, Dv, 1)))
+        lse_sh = cutlass.Int64(total_q)
+        mLSE = cute.make_tensor(lse_ptr, cute.make_layout(
+            (1, heads_q, total_q), stride=(lse_sh * heads_q, lse_sh, 1)))
+        mCuQ = cute.make_tensor(cuq_ptr, cute.make_layout(batch + 1))
+        mCuK = cute.make_tensor(cuk_ptr, cute.make_layout(batch + 1))
+        self.__call__(mQ, mK, mV, mO, mLSE, *args.values[19:], stream,
+                      (mCuQ, mCuK, max_seqlen_q, batch))
+
     def _smem_layout(self, shape, stages):
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, shape[1]), self.dtype)
@@ -257,7 +299,7 @@ class FlashFwdSm90:
                softcap_scale: Float32, softcap_val: Float32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma):
+               tiled_mma_pv: cute.TiledMma, vl=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -302,21 +344,25 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                             pipe_q, pipe_k, pipe_v, win_left, win_right)
+                             pipe_q, pipe_k, pipe_v, win_left, win_right, vl)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                          tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128, win_left,
-                         win_right, softcap_scale, softcap_val)
+                         win_right, softcap_scale, softcap_val, vl)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def num_tiles(self, mQ):
+    def num_tiles(self, mQ, vl=None):
+        if const_expr(self.varlen):
+            return cute.ceil_div(vl[2], self.tile_m) * cute.size(mQ.shape[2]) * vl[3]
         return cute.ceil_div(mQ.shape[0], self.tile_m) * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
 
     @cute.jit
-    def tile_coords(self, tile, mQ, mK, win_left, win_right):
-        """(m_block, head, head_kv, batch, n_block_min, n_block_max) of a linear tile index.
+    def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None):
+        """(m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
+        offset_k) of a linear tile index; the offsets are the sequence's first row in the packed
+        tensors (varlen; 0 otherwise). A varlen tile past its sequence's end gets no key blocks.
 
         Non-causal: m_block varies fastest, so CTAs running together share a head's K/V in L2.
         Causal: the heaviest query blocks come first (longest-processing-time first), which the
@@ -325,16 +371,28 @@ class FlashFwdSm90:
         BM, BN = self.tile_m, self.tile_n
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
-        num_m_blocks = cute.ceil_div(seqlen_q, BM)
+        num_batch = cute.size(mQ.shape[3])
+        if const_expr(self.varlen):
+            num_m_blocks = cute.ceil_div(vl[2], BM)
+            num_batch = vl[3]
+        else:
+            num_m_blocks = cute.ceil_div(seqlen_q, BM)
         num_heads = cute.size(mQ.shape[2])
         m_block = tile % num_m_blocks
         rest = tile // num_m_blocks
         if const_expr(self.mask_right):
-            hb = num_heads * cute.size(mQ.shape[3])
+            hb = num_heads * num_batch
             m_block = num_m_blocks - 1 - tile // hb
             rest = tile % hb
         head = rest % num_heads
         batch = rest // num_heads
+        offset_q = Int32(0)
+        offset_k = Int32(0)
+        if const_expr(self.varlen):
+            offset_q = vl[0][batch]
+            offset_k = vl[1][batch]
+            seqlen_q = vl[0][batch + 1] - offset_q
+            seqlen_k = vl[1][batch + 1] - offset_k
         head_kv = head // (num_heads // cute.size(mK.shape[2]))
         n_block_max = cute.ceil_div(seqlen_k, BN)
         if const_expr(self.mask_right):
@@ -347,7 +405,13 @@ class FlashFwdSm90:
         if const_expr(self.mask_left):
             # first key visible to the tile's first row: i + Sk - Sq - win_left
             n_block_min = cutlass.max(m_block * BM + seqlen_k - seqlen_q - win_left, 0) // BN
-        return m_block, head, head_kv, batch, n_block_min, n_block_max
+        if const_expr(self.varlen):
+            # the grid covers max_seqlen_q: a tile past this sequence's end loads Q (harmless),
+            # visits no key block and stores nothing (row predicates)
+            if m_block * BM >= seqlen_q:
+                n_block_max = n_block_min
+        return (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k,
+                offset_q, offset_k)
 
     @cute.jit
     def first_tile_and_step(self):
@@ -363,18 +427,28 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                pipe_q, pipe_k, pipe_v, win_left, win_right):
+                pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile, step = self.first_tile_and_step()
-        total = self.num_tiles(mQ)
+        total = self.num_tiles(mQ, vl)
         while tile < total:
-            m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max = self.tile_coords(
-                tile, mQ, mK, win_left, win_right)
-            gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
-            gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
+            (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, _, _, offset_q,
+             offset_k) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
+            if const_expr(self.varlen):
+                # packed tensors: the sequence starts at row offset_*; loads that run past its
+                # end read the next sequence's rows (keys masked, rows never stored) or zeros
+                gQ = cute.local_tile(cute.domain_offset((offset_q, 0), mQ[None, None, head_idx, 0]),
+                                     (BM, D), (m_block, 0))
+                gK = cute.local_tile(cute.domain_offset((offset_k, 0), mK[None, None, head_kv, 0]),
+                                     (BN, D), (None, 0))
+                gV = cute.local_tile(cute.domain_offset((offset_k, 0), mV[None, None, head_kv, 0]),
+                                     (BN, Dv), (None, 0))
+            else:
+                gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
+                gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
+                gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
             tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
                                                cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
             tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
@@ -400,10 +474,8 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                 tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx, win_left, win_right,
-                softcap_scale, softcap_val):
+                softcap_scale, softcap_val, vl=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_slice_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_slice_pv = tiled_mma_pv.get_slice(wg * 128)
@@ -441,10 +513,10 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         tile, step = self.first_tile_and_step()
-        total = self.num_tiles(mQ)
+        total = self.num_tiles(mQ, vl)
         while tile < total:
-            m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max = self.tile_coords(
-                tile, mQ, mK, win_left, win_right)
+            (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
+             offset_q, _) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
             n_blocks = cutlass.max(n_block_max - n_block_min, 0)
             acc_O.fill(0.0)
             row_max.fill(-Float32.inf)
@@ -508,29 +580,40 @@ class FlashFwdSm90:
                 for r in cutlass.range_constexpr(num_rows):
                     row = m_block * BM + tScS_mn[r, 0][0]
                     if row < seqlen_q:
-                        mLSE[row, head_idx, batch_idx] = lse[r]
+                        if const_expr(self.varlen):
+                            mLSE[offset_q + row, head_idx, 0] = lse[r]
+                        else:
+                            mLSE[row, head_idx, batch_idx] = lse[r]
 
             # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
             # done. Separate: free once the previous tile's store has read it; warp 0, which
-            # issued that store, waits for it here, a whole tile after issuing it.
-            if const_expr(self.separate_o):
+            # issued that store, waits for it here, a whole tile after issuing it (varlen:
+            # every thread's own shared-memory reads of the previous tile are complete).
+            if const_expr(self.separate_o and not self.varlen):
                 if tidx < 32:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
             cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
             cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
-            cute.arch.fence_proxy("async.shared", space="cta")
+            if const_expr(not self.varlen):
+                cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
-            if tidx < 32:
-                gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
-                tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                                   cute.group_modes(sO, 0, 2),
-                                                   cute.group_modes(gO, 0, 2))
-                cute.copy(tma_atom_O, tOsO, tOgO)
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(not self.separate_o):
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if const_expr(self.varlen):
+                # shared -> global in 16-byte vectors, rows predicated on this sequence's length:
+                # a TMA store writes whole tiles and would overwrite the next sequence's rows
+                self.store_O_rows(sO, mO, offset_q, head_idx, m_block, seqlen_q - m_block * BM,
+                                  tidx)
+            else:
+                if tidx < 32:
+                    gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
+                    tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                                       cute.group_modes(sO, 0, 2),
+                                                       cute.group_modes(gO, 0, 2))
+                    cute.copy(tma_atom_O, tOsO, tOgO)
+                    cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(not self.separate_o):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
             if const_expr(not self.separate_o):
                 # the store has read Q/O's buffer: hand it back to the producer for the next Q
                 cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
@@ -540,6 +623,29 @@ class FlashFwdSm90:
         # shared memory must outlive the last store's reads
         if tidx < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_O_rows(self, sO, mO, offset_q, head_idx, m_block, rows_left, tidx):
+        """Varlen epilogue: the 256 consumer threads copy O's first ``rows_left`` rows from shared
+        memory to the packed output, 16 bytes per thread and row chunk."""
+        BM, Dv = self.tile_m, self.head_dim_v
+        vec = 128 // self.dtype.width
+        tpr = Dv // vec  # threads per row
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        tiled = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((256 // tpr, tpr), order=(1, 0)),
+            cute.make_layout((1, vec)))
+        thr = tiled.get_slice(tidx)
+        gO = cute.local_tile(cute.domain_offset((offset_q, 0), mO[None, None, head_idx, 0]),
+                             (BM, Dv), (m_block, 0))
+        tOsO = thr.partition_S(sO)
+        tOgO = thr.partition_D(gO)
+        tOcO = thr.partition_S(cute.make_identity_tensor((BM, Dv)))
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(tiled, tOrO[None, m, None], tOgO[None, m, None])
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
