@@ -84,6 +84,14 @@ def save(call, impl_label: str, *, backward=False, dout=None, tag: str = "") -> 
 def _die(msg: str) -> None:  # pragma: no cover - ends the process
     sys.stderr.write(msg + "\n")
     sys.stderr.flush()
+    # a pytest-xdist worker's stderr dies with it ("node down: Not properly terminated"), so the
+    # message also goes to a file beside the repros
+    try:
+        os.makedirs(repro_dir(), exist_ok=True)
+        with open(os.path.join(repro_dir(), "HANGS.txt"), "a") as f:
+            f.write(msg + "\n")
+    except OSError:
+        pass
     os._exit(124)
 
 
