@@ -13,7 +13,11 @@ Training calls (needs_grad) go to ``fast-sm120-train`` (bwd.py, bwd_impl.py): th
 FA2 backward for head dims 64 and 128, dense/GQA, causal and windows, batched and varlen, fp16/bf16,
 deterministic mode; it refuses softcap, key ranges and block-sparse. ``impl.BACKWARD_ENABLED``
 switches it off.
-Not served: kv-cache/decode, Dv != D, head dims not a multiple of 32, fp32.
+Not served by the forward: kv-cache/decode, Dv != D, head dims not a multiple of 32, fp32.
+kv-cache calls go to ``fast-sm120-decode`` (decode.py, decode_impl.py): split-KV flash-decoding with
+the query heads of a KV head packed into M, cache_seqlens, paged KV (page size a multiple of 16),
+k_new/v_new appended in place, causal/window/softcap, any GQA ratio, head dims 64/128/192/256
+(D == Dv), fp16/bf16; CUDA-graph safe. Like fast-sm120, impl="auto" passes over it on sm_90.
 """
 from dualattn import dispatch as _dispatch
 
@@ -24,3 +28,7 @@ TRAIN_IMPL = None
 if BACKWARD_ENABLED:
     from .bwd_impl import FastSm120Train
     TRAIN_IMPL = _dispatch.register(FastSm120Train(IMPL))
+
+from .decode_impl import FastSm120Decode  # noqa: E402
+
+DECODE_IMPL = _dispatch.register(FastSm120Decode())

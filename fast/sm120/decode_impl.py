@@ -1,0 +1,211 @@
+"""The "fast-sm120-decode" implementation: kv-cache attention (decode) on mma.sync, SM80..SM90 and SM120.
+
+Per call, three launches in stream order, none of which reads device memory on the host:
+
+1. append (only with k_new/v_new): the reference's Triton ``_append_kv`` writes the new tokens
+   into the cache at cache_seqlens[b] .. (paged or not); cache_seqlens itself is not advanced
+   (FlashAttention's semantics, as the oracle and the Triton decode);
+2. split (CuTe DSL, decode.FlashDecodeSm80): flash-decoding over ``num_splits`` chunks of the key
+   blocks, writing normalised fp32 partial outputs and LSEs to a workspace;
+3. combine: the reference's Triton ``_decode_combine`` (out = sum_s exp(lse_s - lse) out_s).
+
+The only allocations are the outputs and a workspace whose size follows from the spec, so a call
+can be captured in a CUDA graph. The number of splits is chosen from the spec (capacity, not the
+live lengths) and the GPU's size, never from device values.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from dualattn import dispatch
+from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
+
+from .decode import DecodeConfig, FlashDecodeSm80, decode_config
+from .impl import SUPPORTED_ARCHS, _cutlass_dtype, window_bounds
+
+_I32_MAX = 2 ** 31 - 1
+MAX_AUTO_SPLITS = 64
+
+_cache = CompileCache()
+
+
+def compile_key(spec, arch: int) -> tuple:
+    return FlashDecodeSm80.compile_key(spec, arch)
+
+
+def build_kernel(key: tuple) -> FlashDecodeSm80:
+    _, dt, d, _dv, cfg, paged, has_left, has_right, has_softcap, _arch = key
+    torch_dt = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16}[dt]
+    return FlashDecodeSm80(_cutlass_dtype(torch_dt), d, cfg, paged=paged, has_left=has_left,
+                           has_right=has_right, has_softcap=has_softcap)
+
+
+def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
+    """Compile the kernel for ``key`` (placeholders for every runtime value). Returns
+    (compiled function, kernel object); the kernel object records ``smem_bytes``."""
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+
+    kern = build_kernel(key)
+    schema = FlashDecodeSm80.arg_schema(kern.dtype)
+    fn = cute.compile(kern.from_packed, schema.fake(), cuda.CUstream(0),
+                      options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
+    return fn, kern
+
+
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_DEVICE_INFO = {}
+
+
+def _device_info(device) -> tuple:
+    """(SMs, shared memory per SM in bytes), cached per device."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    hit = _DEVICE_INFO.get(idx)
+    if hit is None:
+        p = torch.cuda.get_device_properties(idx)
+        smem = getattr(p, "shared_memory_per_multiprocessor", 0) or (228 if p.major == 9 else 100) * 1024
+        hit = _DEVICE_INFO[idx] = (p.multi_processor_count, int(smem))
+    return hit
+
+
+def num_m_tiles(spec, cfg: DecodeConfig) -> int:
+    return -(-spec.seqlen_q * spec.gqa_ratio // cfg.tile_m)
+
+
+def choose_num_splits(spec, cfg: DecodeConfig, sms: int, smem_per_sm: int) -> int:
+    """Static choice (from the capacity, so it needs no sync): the fewest splits that fill the
+    GPU's resident CTA slots in whole waves to >= 90% (the last wave of a memory-bound kernel
+    otherwise leaves SMs idle), with at least 4 key blocks per split; ``spec.num_splits`` wins."""
+    if spec.num_splits > 0:
+        return spec.num_splits
+    per_sm = max(1, min(smem_per_sm // (cfg.smem_bytes(spec.head_dim) + 1024), 64 // cfg.num_warps, 4))
+    slots = sms * per_sm
+    work = max(1, spec.batch * spec.num_heads_kv * num_m_tiles(spec, cfg))
+    blocks = -(-spec.seqlen_k // cfg.tile_n)
+    best, best_eff = 1, 0.0
+    for s in range(1, max(1, min(MAX_AUTO_SPLITS, blocks // 4)) + 1):
+        total = work * s
+        eff = total / (-(-total // slots) * slots)
+        if eff >= 0.9:
+            return s
+        if eff > best_eff + 1e-9:
+            best, best_eff = s, eff
+    return best
+
+
+class FastSm120Decode:
+    name = "fast-sm120-decode"
+    family = "fast"
+
+    def __init__(self) -> None:
+        self._entries = {}
+
+    def auto_skip(self, spec) -> Optional[str]:
+        # the same rule as fast-sm120 (impl.py): on Hopper impl="auto" keeps the Triton kernels;
+        # impl="fast" still uses this one
+        if dispatch.device_arch() == 90:
+            return "on sm_90 the Triton kernels are measured faster than this portable kernel"
+        return None
+
+    def can_implement(self, spec) -> Optional[str]:
+        why = FlashDecodeSm80.can_implement(spec)
+        if why is not None:
+            return why
+        cfg = decode_config(spec.head_dim, spec.seqlen_q * spec.gqa_ratio)
+        splits = spec.num_splits if spec.num_splits > 0 else MAX_AUTO_SPLITS
+        if splits * spec.batch * spec.num_heads_q * spec.seqlen_q * spec.head_dim_v > _I32_MAX:
+            return "split workspace over 2**31 elements (32-bit indexing)"
+        if spec.batch * spec.seqlen_q * spec.num_heads_q * spec.head_dim > _I32_MAX:
+            return "q over 2**31 elements (32-bit indexing)"
+        if spec.batch * spec.num_heads_kv > _I32_MAX or num_m_tiles(spec, cfg) > 65535 or splits > 65535:
+            return "grid limit: too many packed query rows per KV head or splits"
+        if spec.device_type != "cuda":
+            return f"needs CUDA tensors, got {spec.device_type}"
+        arch = dispatch.device_arch()
+        if arch is None:
+            return "no CUDA GPU"
+        if arch not in SUPPORTED_ARCHS:
+            return f"runs on SM80-SM90 and SM120, not sm_{arch}"
+        return None
+
+    def _entry(self, spec, device):
+        """(compiled fn, schema.pack, cfg, splits, scalars), memoised per (spec, device)."""
+        ek = (spec, device.index)
+        hit = self._entries.get(ek)
+        if hit is not None:
+            return hit
+        arch = target_arch(dispatch.device_arch(device.index or 0))
+        key = compile_key(spec, arch)
+        fn = _cache.get(key, lambda: compile_uncached(key, arch)[0])
+        cfg = key[4]
+        splits = choose_num_splits(spec, cfg, *_device_info(device))
+        _, _, wl, wr = window_bounds(spec)
+        if spec.softcap > 0:  # s' = cap * tanh(s * scale / cap), then exp2 with log2(e) only
+            scalars = (wl, wr, math.log2(math.e), spec.scale / spec.softcap, spec.softcap)
+        else:
+            scalars = (wl, wr, spec.scale * math.log2(math.e), 0.0, 0.0)
+        hit = (fn, FlashDecodeSm80.arg_schema(_cutlass_dtype(spec.dtype)).pack, cfg, splits, scalars)
+        if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
+            self._entries.clear()
+        self._entries[ek] = hit
+        return hit
+
+    def forward(self, call):
+        from dualattn.reference.triton.common import next_pow2
+        from dualattn.reference.triton.decode import _append_kv, _decode_combine
+
+        spec = call.spec
+        q, k, v = call.q, call.k, call.v
+        B, Sq, Hq, Hkv, D = spec.batch, spec.seqlen_q, spec.num_heads_q, spec.num_heads_kv, spec.head_dim
+        # the cache is read with 16-byte cp.async and written in place: it cannot be copied
+        for name, t in (("k_cache", k), ("v_cache", v)):
+            if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+                raise NotImplementedError(f"fast-sm120-decode: {name} needs a unit-stride last dimension, "
+                                          "other strides a multiple of 8 elements and a 16-byte aligned base")
+        out = call.extra.get("out")  # tests may pass preallocated (poisoned) outputs
+        if out is None:
+            out = torch.empty(B, Sq, Hq, spec.head_dim_v, dtype=q.dtype, device=q.device)
+        lse = call.extra.get("lse")
+        if lse is None:
+            lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
+        assert lse.is_contiguous()
+        if out.numel() == 0:
+            return out, lse.fill_(-math.inf)
+        page_table = call.page_table if spec.paged else call.cache_seqlens
+        pt_stride = call.page_table.stride(0) if spec.paged else 0
+        page_size = max(spec.page_size, 1)
+        if spec.num_new_kv:
+            kn, vn = (t if t.stride(-1) == 1 else t.contiguous() for t in (call.k_new, call.v_new))
+            _append_kv[(B * spec.num_new_kv, Hkv)](
+                kn, vn, k, v, call.cache_seqlens, page_table, *kn.stride()[:3], *vn.stride()[:3],
+                *k.stride()[:3], *v.stride()[:3], pt_stride, spec.num_new_kv, page_size,
+                BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(D), HEAD_D=D, HEAD_DV=D, PAGED=spec.paged)
+
+        fn, pack, cfg, splits, (wl, wr, scale_log2, softcap_scale, softcap) = self._entry(spec, q.device)
+        o_part = torch.empty(splits, B, Hq, Sq, D, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(splits, B, Hq, Sq, dtype=torch.float32, device=q.device)
+        args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), o_part.data_ptr(), l_part.data_ptr(),
+                    call.cache_seqlens.data_ptr(), page_table.data_ptr(), B, Sq, Hq, Hkv, spec.num_new_kv,
+                    splits, page_size, pt_stride, *q.stride()[:3], wl, wr, *k.stride()[:3], *v.stride()[:3],
+                    scale_log2, softcap_scale, softcap)
+        import cuda.bindings.driver as cuda
+        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+        with torch.cuda.device(q.device):  # the launch goes to the current device's context
+            fn(args, stream)
+        _decode_combine[(B * Hq * Sq,)](
+            o_part, l_part, out, lse, o_part.stride(0), l_part.stride(0), out.stride(0), out.stride(1),
+            out.stride(2), splits, Sq, Hq, BLOCK_S=next_pow2(splits), BLOCK_DV=next_pow2(D), HEAD_DV=D)
+        return out, lse
+
+    def backward(self, call, out, lse, dout):
+        raise NotImplementedError("fast-sm120-decode has no backward (can_implement refuses needs_grad)")
+
+
+def compile_cache() -> CompileCache:
+    return _cache
