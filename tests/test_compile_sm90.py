@@ -100,8 +100,9 @@ def test_window_and_softcap_configs_compile(kw):
 
 @pytest.mark.parametrize("kw,word", [
     (dict(needs_grad=True), "backward"),
-    (dict(num_key_ranges=1), "key_ranges"),
-    (dict(block_size=(128, 128)), "block-sparse"),
+    (dict(num_key_ranges=5), "key ranges"),
+    (dict(block_size=(64, 128)), "block_m"),
+    (dict(block_size=(128, 72)), "block_n"),
     (dict(d=80), "head dim"),
     (dict(dtype=torch.float32), "dtype"),
     (dict(dv=64), "head dims"),
@@ -246,3 +247,60 @@ def test_varlen_compiles_with_masked_store(d, causal):
 def test_varlen_refusals_and_kvcache():
     spec = AttentionSpec("kvcache", 1, 1, 64, 4, 4, 128, 128, torch.bfloat16, "cuda")
     assert "kvcache" in FastSm90Forward.can_implement_static(spec)
+
+
+# ---- key ranges and block-sparse ----
+
+FEATURE_CONFIGS = [
+    ("batched", 128, True, dict(num_key_ranges=1)),
+    ("batched", 64, False, dict(num_key_ranges=4, window=(100, 20))),
+    ("batched", 256, False, dict(num_key_ranges=2, softcap=10.0)),
+    ("varlen", 128, False, dict(num_key_ranges=2)),
+    ("batched", 128, False, dict(block_size=(128, 128))),
+    ("batched", 192, True, dict(block_size=(128, 128))),
+    ("batched", 256, False, dict(block_size=(256, 128), num_key_ranges=1)),
+    ("varlen", 96, True, dict(block_size=(128, 64))),
+]
+
+
+def _feature_spec(mode, d, causal, kw):
+    return AttentionSpec(mode, 2, 1000, 1000, 8, 2, d, d, torch.bfloat16, "cuda", causal=causal,
+                         **kw)
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,d,causal,kw", FEATURE_CONFIGS,
+                         ids=[f"{m}-d{d}-{c}-{sorted(k.items())}" for m, d, c, k in FEATURE_CONFIGS])
+def test_key_range_and_block_sparse_configs_compile(mode, d, causal, kw):
+    spec = _feature_spec(mode, d, causal, kw)
+    assert FastSm90Forward.can_implement_static(spec) is None
+    key = FORWARD.compile_key(spec, 90)
+    assert ("_kr" in key[0]) == ("num_key_ranges" in kw) and ("_bs" in key[0]) == ("block_size" in kw)
+    tile_n = FastSm90Forward.config(spec)[1]
+    if "block_size" in kw:  # the key tile divides the CSR's key block
+        assert kw["block_size"][1] % tile_n == 0 and kw["block_size"][0] % 128 == 0
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n{tile_n}k16", ptx)
+    assert _loops_with(ptx, "wgmma.mma_async") >= 1
+    assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1
+    # the plan (key-range spans / CSR rows) and the per-thread intervals are read from global
+    # memory (the dense batched kernel reads nothing but TMA tiles: no ld.global at all)
+    assert "ld.global" in ptx
+
+
+def test_block_sparse_tile_choice():
+    from dualattn.fast.sm90 import TILE_CONFIG, _sparse_tile_n
+    assert _sparse_tile_n(128, 128) == 128 and _sparse_tile_n(128, 64) == 64
+    assert _sparse_tile_n(256, 128) == 64 and _sparse_tile_n(192, 128) == 64
+    assert _sparse_tile_n(256, 80) == 80 and _sparse_tile_n(64, 72) is None
+    for d in SUPPORTED_HEAD_DIMS:  # never larger than the dense tile (shared-memory budget)
+        assert all(_sparse_tile_n(d, bn) <= TILE_CONFIG[d][0] for bn in (16, 64, 128, 256, 512))
+
+
+def test_dense_compile_key_unchanged_by_features():
+    base = FORWARD.compile_key(_spec(), 90)
+    assert base[0] == "sm90_fwd"
+    assert FORWARD.compile_key(_spec(num_key_ranges=2), 90)[0] == "sm90_fwd_kr2"
+    assert FORWARD.compile_key(_spec(num_key_ranges=2), 90) != FORWARD.compile_key(_spec(num_key_ranges=3), 90)
+    assert FORWARD.compile_key(_spec(block_size=(128, 128)), 90)[0] == "sm90_fwd_bs"

@@ -21,7 +21,10 @@ import sys
 import pytest
 import torch
 
-WORKER_TIMEOUT_S = int(os.environ.get("DUALATTN_SM90_TEST_TIMEOUT", "600"))
+# one worker subprocess per group of GROUP_SIZE cases (pytest -n runs groups side by side); a
+# hung kernel fails its group's cases after WORKER_TIMEOUT_S
+WORKER_TIMEOUT_S = int(os.environ.get("DUALATTN_SM90_TEST_TIMEOUT", "200"))
+GROUP_SIZE = 12
 
 # (name, B, Sq, Sk, Hq, Hkv, D, dtype, causal, persistent) ; persistent None = the default
 # choice of FastSm90Forward.config, "0"/"1" forces the grid kind (both code paths stay tested)
@@ -99,6 +102,190 @@ VARLEN_CASES.append(("varlen-fp16-d128", [333, 129], [129, 333], 4, 2, 128, Fals
                      {"dtype": "float16"}))
 
 
+# key ranges and block-sparse: (name, builder(seed) -> (AttentionCall, reference AttentionCall
+# or None)). With a reference call (the same attention without the CSR), the kernel's outputs
+# with and without the CSR must agree closely as well (an exact CSR changes nothing).
+FEATURE_CASES = []
+DEVICE = "cuda"  # the builders' device (a CPU dry run of the builders sets "cpu")
+
+
+def _qkv(B, Sq, Sk, H, Hkv, D, dtype="bfloat16", varlen=False):
+    dt = getattr(torch, dtype)
+    lead_q, lead_k = ((Sq,), (Sk,)) if varlen else ((B, Sq), (B, Sk))
+    return (torch.randn(*lead_q, H, D, device=DEVICE, dtype=dt),
+            torch.randn(*lead_k, Hkv, D, device=DEVICE, dtype=dt),
+            torch.randn(*lead_k, Hkv, D, device=DEVICE, dtype=dt))
+
+
+def _random_kr(shape, Sk, seed, empty_row=None):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(0, Sk + 1, shape, generator=g)
+    kr = torch.stack([a.min(-1).values, a.max(-1).values], -1).to(torch.int32)
+    if empty_row is not None and shape[2] > empty_row:
+        kr[:, :, empty_row] = 0  # a row whose intervals are all empty: out 0, LSE -inf
+    return kr.to(DEVICE)
+
+
+def _kr_case(name, B, Sq, Sk, H, Hkv, D, R, causal=False, dtype="bfloat16", heads=True, **kw):
+    def make(seed):
+        from dualattn.spec import build_dense
+        kr = _random_kr((1 if heads else B, H if heads else 1, Sq, R, 2), Sk, seed, empty_row=5)
+        return build_dense(*_qkv(B, Sq, Sk, H, Hkv, D, dtype), causal=causal, key_ranges=kr,
+                           return_lse=True, **kw), None
+    FEATURE_CASES.append((f"kr-{name}-R{R}-d{D}{'-causal' if causal else ''}", make))
+
+
+for _c in (False, True):
+    for _r in (1, 2, 4):
+        _kr_case("random", 2, 260, 333, 4, 2, 128, _r, _c)
+    _kr_case("random", 2, 260, 333, 4, 2, 64, 2, _c, dtype="float16", heads=False)
+    _kr_case("odd", 2, 113, 203, 4, 2, 256, 1, _c)
+    _kr_case("odd", 1, 203, 113, 2, 1, 192, 3, _c)
+    _kr_case("q239k1", 1, 239, 1, 2, 1, 128, 1, _c)
+    _kr_case("len1", 1, 1, 1, 2, 2, 64, 1, _c)
+    _kr_case("win", 2, 500, 700, 4, 2, 96, 2, _c, window=(100, 20))
+_kr_case("softcap", 1, 300, 300, 2, 2, 128, 2, False, softcap=10.0)
+
+
+def _docs_case(name, segs, S, H, D, causal, dtype="bfloat16", with_csr=False, block=(128, 128)):
+    def make(seed):
+        from dualattn import segments_to_key_ranges
+        from dualattn.sparse import BlockSparse
+        from dualattn.spec import build_dense
+        kr = segments_to_key_ranges(segs, S, causal=causal, device=DEVICE)
+        q, k, v = _qkv(len(segs), S, S, H, H, D, dtype)
+        ref = build_dense(q, k, v, key_ranges=kr, return_lse=True)
+        if not with_csr:
+            return ref, None
+        bs = BlockSparse.from_key_ranges(kr, S, S, *block).to(DEVICE)
+        return build_dense(q, k, v, key_ranges=kr, block_sparse=bs, return_lse=True), ref
+    FEATURE_CASES.append((f"{name}-d{D}{'-causal' if causal else ''}", make))
+
+
+for _c in (False, True):
+    # packed documents as key ranges (broadcast over heads): interior blocks run unmasked
+    _docs_case("kr-docs", [[100, 250, 300], [700]], 700, 4, 64, _c, "float16")
+    _docs_case("kr-docs-long", [[600, 1000, 400, 48]], 2048, 2, 128, _c)
+    _docs_case("bs-kr-docs", [[600, 1000, 400, 48]], 2048, 2, 128, _c, with_csr=True)
+_docs_case("bs-kr-docs-s900", [[300, 129, 400]], 900, 2, 256, True, with_csr=True)
+
+
+def _bs_case(name, B, Sq, Sk, H, Hkv, D, block, causal=False, dtype="bfloat16", **kw):
+    def make(seed):
+        from dualattn.sparse import BlockSparse
+        from dualattn.spec import build_dense
+        nq, nk = -(-Sq // block[0]), -(-Sk // block[1])
+        g = torch.Generator().manual_seed(seed)
+        # per (batch, head) random ABSENT/MASK/FULL states; one query block lists nothing
+        states = torch.randint(0, 3, (B, H, nq, nk), generator=g, dtype=torch.int8)
+        states[0, min(1, H - 1), 0, :] = 0
+        bs = BlockSparse.from_block_states(states.to(DEVICE), block[0], block[1], Sq, Sk)
+        return build_dense(*_qkv(B, Sq, Sk, H, Hkv, D, dtype), causal=causal, block_sparse=bs,
+                           return_lse=True, **kw), None
+    FEATURE_CASES.append((f"bs-{name}-{block[0]}x{block[1]}-d{D}{'-causal' if causal else ''}",
+                          make))
+
+
+for _c in (False, True):
+    for _d in (64, 128, 192, 256):
+        _bs_case("random", 2, 300, 517, 4, 2, _d, (128, 128), _c)
+    _bs_case("random", 2, 300, 517, 4, 2, 128, (256, 64), _c)
+    _bs_case("random", 1, 700, 300, 2, 1, 96, (128, 256), _c, dtype="float16")
+    _bs_case("odd", 1, 1, 1, 2, 2, 128, (128, 128), _c)
+    _bs_case("q239k1", 1, 239, 1, 2, 1, 64, (128, 128), _c)
+_bs_case("win", 2, 600, 600, 4, 2, 128, (128, 128), True, window=(200, 0))
+_bs_case("softcap", 1, 400, 400, 2, 2, 64, (128, 128), False, softcap=15.0)
+
+
+def _bs_exact_case(window, D, causal=True):
+    def make(seed):
+        from dualattn.sparse import BlockSparse
+        from dualattn.spec import build_dense
+        q, k, v = _qkv(1, 1000, 1000, 2, 2, D)
+        bs = BlockSparse.from_key_ranges(None, 1000, 1000, 128, 128, causal=causal,
+                                         window=window).to(DEVICE)
+        return (build_dense(q, k, v, causal=causal, window=window, block_sparse=bs,
+                            return_lse=True),
+                build_dense(q, k, v, causal=causal, window=window, return_lse=True))
+    FEATURE_CASES.append((f"bs-exact-win{window[0]}_{window[1]}-d{D}", make))
+
+
+_bs_exact_case((-1, -1), 128)
+_bs_exact_case((256, 0), 128)
+_bs_exact_case((100, 50), 64, causal=False)
+
+
+def _varlen_feature_case(name, lens_q, lens_k, H, Hkv, D, causal, kr_R=0, block=None):
+    def make(seed):
+        from dualattn.sparse import BlockSparse
+        from dualattn.spec import build_varlen
+        cq = torch.tensor([0] + lens_q, device=DEVICE).cumsum(0).to(torch.int32)
+        ck = torch.tensor([0] + lens_k, device=DEVICE).cumsum(0).to(torch.int32)
+        q, k, v = _qkv(None, sum(lens_q), sum(lens_k), H, Hkv, D, varlen=True)
+        kw = {}
+        if kr_R:  # indices local to each sequence, within its own key length
+            kr = torch.zeros(1, H, sum(lens_q), kr_R, 2, dtype=torch.int32)
+            for b, (a, n) in enumerate(zip(lens_q, lens_k)):
+                s = int(cq[b])
+                kr[:, :, s:s + a] = _random_kr((1, H, a, kr_R, 2), n, seed + b).cpu()
+            kw["key_ranges"] = kr.to(DEVICE)
+        if block:
+            nq, nk = -(-max(lens_q) // block[0]), -(-max(lens_k) // block[1])
+            g = torch.Generator().manual_seed(seed)
+            states = torch.randint(0, 3, (len(lens_q), 1, nq, nk), generator=g, dtype=torch.int8)
+            kw["block_sparse"] = BlockSparse.from_block_states(states.to(DEVICE), *block, max(lens_q),
+                                                                max(lens_k))
+        return build_varlen(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=causal,
+                            return_lse=True, **kw), None
+    FEATURE_CASES.append((f"varlen-{name}-d{D}{'-causal' if causal else ''}", make))
+
+
+for _c in (False, True):
+    _varlen_feature_case("kr2", [50, 0, 1, 300, 129], [60, 5, 1, 300, 0], 4, 2, 128, _c, kr_R=2)
+    _varlen_feature_case("bs", [300, 0, 1, 517, 129], [517, 5, 1, 300, 0], 4, 2, 128, _c,
+                         block=(128, 128))
+    _varlen_feature_case("bs", [300, 1, 129], [517, 1, 400], 2, 1, 256, _c, block=(128, 128))
+
+
+def _run_feature_case(f, name, make):
+    from dualattn.accuracy import check_outputs
+    from dualattn.dispatch import select
+
+    rec = {"name": name}
+    try:
+        call, ref_call = make(sum(map(ord, name)))
+        impl = select(call.spec, "fast")
+        rec["impl"] = impl.name
+        outs = []
+        for _ in range(2):
+            call.extra["out"] = torch.full_like(call.q[..., :call.spec.head_dim_v], float("nan"))
+            call.extra["out"] = call.extra["out"].contiguous()
+            lse_shape = ((call.spec.num_heads_q, call.q.shape[0]) if call.spec.mode == "varlen"
+                         else (call.q.shape[0], call.spec.num_heads_q, call.q.shape[1]))
+            call.extra["lse"] = torch.full(lse_shape, float("nan"), device="cuda")
+            o, lse = impl.forward(call)
+            torch.cuda.synchronize()
+            outs.append((o.clone(), lse.clone()))
+        checks = check_outputs(call, outs[0][0], outs[0][1])
+        rec["checks"] = [str(c) for c in checks]
+        rec["ok"] = all(c.ok for c in checks)
+        if ref_call is not None:  # same attention without the CSR, same kernel family
+            o2, lse2 = select(ref_call.spec, "fast").forward(ref_call)
+            torch.cuda.synchronize()
+            d_o = float((o2.float() - outs[0][0].float()).abs().max()) if o2.numel() else 0.0
+            same_inf = bool(torch.equal(lse2.isinf(), outs[0][1].isinf()))
+            d_l = float((lse2 - outs[0][1]).nan_to_num(posinf=0, neginf=0).abs().max()) \
+                if lse2.numel() else 0.0
+            rec["checks"].append(f"vs without CSR: max|dO| {d_o:.2e}, max|dLSE| {d_l:.2e}")
+            rec["ok"] = rec["ok"] and d_o < 2e-2 and d_l < 1e-3 and same_inf
+        rec["bitwise"] = bool(torch.equal(outs[0][0], outs[1][0])
+                              and torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num()))
+    except Exception as e:
+        rec["error"] = f"{type(e).__name__}: {e}"
+    f.write(json.dumps(rec) + "\n")
+    f.flush()
+
+
 def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
     from dualattn.accuracy import check_outputs
     from dualattn.dispatch import select
@@ -142,8 +329,17 @@ def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
     f.flush()
 
 
-def _run_worker(out_path: str) -> None:
-    """Run every case, one JSON line per case on stdout (flushed, so a hang keeps earlier lines)."""
+def _group_of(name: str) -> str:
+    """Worker group of a case: its list and its index // GROUP_SIZE."""
+    for kind, cases in (("dense", CASES), ("varlen", VARLEN_CASES), ("feature", FEATURE_CASES)):
+        for i, c in enumerate(cases):
+            if c[0] == name:
+                return f"{kind}{i // GROUP_SIZE}"
+    raise KeyError(name)
+
+
+def _run_worker(out_path: str, group: str) -> None:
+    """Run the cases of ``group``, one JSON line per case (flushed, so a hang keeps earlier lines)."""
     import dualattn.fast.sm90 as sm90
     from dualattn.accuracy import check_outputs
     from dualattn.dispatch import select
@@ -152,6 +348,8 @@ def _run_worker(out_path: str) -> None:
     torch.manual_seed(0)
     with open(out_path, "w") as f:
         for name, B, Sq, Sk, Hq, Hkv, D, dtype, causal, persistent, kw in CASES:
+            if _group_of(name) != group:
+                continue
             sm90._PERSISTENT_ENV = persistent or ""
             dt = getattr(torch, dtype)
             rec = {"name": name}
@@ -188,7 +386,11 @@ def _run_worker(out_path: str) -> None:
             f.flush()
         sm90._PERSISTENT_ENV = ""
         for case in VARLEN_CASES:
-            _run_varlen_case(f, *case)
+            if _group_of(case[0]) == group:
+                _run_varlen_case(f, *case)
+        for name, make in FEATURE_CASES:
+            if _group_of(name) == group:
+                _run_feature_case(f, name, make)
 
 
 def _gpu_skip_reason():
@@ -200,35 +402,58 @@ def _gpu_skip_reason():
     return None
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def results(tmp_path_factory):
+    """get(name) -> (record or None, timed out?, output tail). The first pytest process (of the
+    -n workers) that needs a group runs its worker subprocess under a file lock; the others
+    read the saved result."""
+    import fcntl
+
     reason = _gpu_skip_reason()
     if reason:
         pytest.skip(reason)
-    path = str(tmp_path_factory.mktemp("sm90") / "results.jsonl")
-    timed_out = False
-    try:
-        proc = subprocess.run([sys.executable, __file__, "--worker", path], timeout=WORKER_TIMEOUT_S,
-                              capture_output=True, text=True)
-        tail = (proc.stdout + proc.stderr)[-3000:]
-    except subprocess.TimeoutExpired:
-        timed_out, tail = True, ""
-    res = {}
-    if os.path.exists(path):
-        for line in open(path):
-            r = json.loads(line)
-            res[r["name"]] = r
-    return res, timed_out, tail
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # shared by the xdist workers of this run
+    folder = base / "sm90-results"
+    folder.mkdir(exist_ok=True)
+    memo = {}
+
+    def get(name):
+        group = _group_of(name)
+        if group not in memo:
+            path, done = folder / f"{group}.jsonl", folder / f"{group}.done"
+            with open(folder / f"{group}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not done.exists():
+                    timed_out, tail = False, ""
+                    try:
+                        proc = subprocess.run([sys.executable, __file__, "--worker", str(path), group],
+                                              timeout=WORKER_TIMEOUT_S, capture_output=True, text=True)
+                        tail = (proc.stdout + proc.stderr)[-3000:]
+                    except subprocess.TimeoutExpired:
+                        timed_out = True
+                    done.write_text(json.dumps({"timed_out": timed_out, "tail": tail}))
+            info = json.loads(done.read_text())
+            res = {}
+            if path.exists():
+                for line in open(path):
+                    r = json.loads(line)
+                    res[r["name"]] = r
+            memo[group] = (res, info["timed_out"], info["tail"])
+        res, timed_out, tail = memo[group]
+        return res.get(name), timed_out, tail
+
+    return get
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_forward_matches_oracle(results, case):
-    res, timed_out, tail = results
     name = case[0]
-    if name not in res:
+    r, timed_out, tail = results(name)
+    if r is None:
         pytest.fail(f"{name}: no result ({'worker timed out: hang?' if timed_out else 'worker died'}) {tail}")
-    r = res[name]
     assert "error" not in r, r["error"]
     assert r["impl"] == "fast-sm90", f"dispatcher picked {r['impl']}"
     assert r["ok"], "; ".join(r["checks"])
@@ -293,7 +518,13 @@ def test_varlen_forward_matches_oracle(results, case):
     test_forward_matches_oracle(results, case)
 
 
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
-    _run_worker(sys.argv[2])
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
+def test_key_ranges_and_block_sparse_match_oracle(results, case):
+    test_forward_matches_oracle(results, case)
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
+    _run_worker(sys.argv[2], sys.argv[3])
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--overhead":
     _run_overhead_worker(sys.argv[2])

@@ -40,3 +40,19 @@ def csr_row(rowptr: cute.Tensor, base: Int32, row: Int32):
     """(first entry, entry count) of CSR row ``row``; ``base`` offsets to the (batch, head) slice."""
     lo = rowptr[base + row]
     return lo, rowptr[base + row + 1] - lo
+
+
+@cute.jit
+def csr_block_at(it: Int32, mFC: cute.Tensor, mMC: cute.Tensor, f_col0: Int32, m_col0: Int32,
+                 m_cnt: Int32, ratio_n: Int32):
+    """(kernel key tile, from a mask entry?) of visit number ``it`` of one query tile's CSR row:
+    the ``m_cnt`` mask entries first (from ``mMC[m_col0:]``), then the full ones (``mFC[f_col0:]``);
+    each CSR key block covers ``ratio_n`` key tiles of the kernel."""
+    e = it // ratio_n
+    col = Int32(0)
+    is_mask = e < m_cnt
+    if is_mask:
+        col = mMC[m_col0 + e]
+    else:
+        col = mFC[f_col0 + e - m_cnt]
+    return col * ratio_n + (it - e * ratio_n), is_mask

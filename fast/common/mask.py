@@ -90,3 +90,55 @@ def cta_min_max(lo: Int32, hi: Int32, red: cute.Tensor, bar):
         lo = cutlass.min(lo, red[2 * w])
         hi = cutlass.max(hi, red[2 * w + 1])
     return lo, hi
+
+
+@cute.jit
+def key_range_span_warp(mKR: cute.Tensor, base: Int32, row0: Int32, tile_row0: Int32,
+                        tile_rows: cutlass.Constexpr, seqlen_q: Int32,
+                        num_ranges: cutlass.Constexpr):
+    """Key-range bounds of one query tile, computed by one whole warp (every lane returns the
+    same values, so warps that must agree on a key-block range can each compute it alone).
+
+    Rows ``tile_row0 .. tile_row0 + tile_rows - 1`` below ``seqlen_q`` are scanned (lane l takes
+    rows l, l + 32, ...); row i's intervals start at ``base + (row0 + i) * 2R`` of the flat ``mKR``.
+    Returns ``(lo_min, hi_max, inter)``: the bounds of the union of all non-empty intervals
+    (lo_min = 2**30, hi_max = 0 when there is none) and ``inter`` (R, 2), per interval index q
+    the intersection over the rows of interval q, [max lo, min hi): a key block inside one of
+    them is visible to every row of the tile.
+    """
+    lane = cute.arch.lane_idx()
+    lo_min = Int32(2 ** 30)
+    hi_max = Int32(0)
+    inter = cute.make_rmem_tensor((num_ranges, 2), Int32)
+    for q in cutlass.range_constexpr(num_ranges):
+        inter[q, 0] = Int32(0)
+        inter[q, 1] = Int32(2 ** 30)
+    for k in cutlass.range_constexpr(tile_rows // 32):
+        i = tile_row0 + k * 32 + lane
+        if i < seqlen_q:
+            off = base + (row0 + i) * (2 * num_ranges)
+            for q in cutlass.range_constexpr(num_ranges):
+                lo = mKR[off + 2 * q]
+                hi = mKR[off + 2 * q + 1]
+                if lo < hi:
+                    lo_min = cutlass.min(lo_min, lo)
+                    hi_max = cutlass.max(hi_max, hi)
+                inter[q, 0] = cutlass.max(inter[q, 0], lo)
+                inter[q, 1] = cutlass.min(inter[q, 1], hi)
+    for off in cutlass.range_constexpr(5):
+        lo_min = cutlass.min(lo_min, cute.arch.shuffle_sync_bfly(lo_min, offset=16 >> off))
+        hi_max = cutlass.max(hi_max, cute.arch.shuffle_sync_bfly(hi_max, offset=16 >> off))
+        for q in cutlass.range_constexpr(num_ranges):
+            inter[q, 0] = cutlass.max(inter[q, 0], cute.arch.shuffle_sync_bfly(inter[q, 0], offset=16 >> off))
+            inter[q, 1] = cutlass.min(inter[q, 1], cute.arch.shuffle_sync_bfly(inter[q, 1], offset=16 >> off))
+    return lo_min, hi_max, inter
+
+
+@cute.jit
+def block_inside_ranges(inter: cute.Tensor, col0: Int32, col1: Int32, num_ranges: cutlass.Constexpr):
+    """True if keys [col0, col1) lie inside one of the tile-wide intervals ``inter`` (R, 2) of
+    ``key_range_span_warp``: then no row of the tile needs the key-range mask there."""
+    inside = Boolean(False)
+    for q in cutlass.range_constexpr(num_ranges):
+        inside = inside or (col0 >= inter[q, 0] and col1 <= inter[q, 1])
+    return inside

@@ -40,6 +40,19 @@ _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 
+MAX_KEY_RANGES = 4  # per-row intervals held in registers
+
+
+def _sparse_tile_n(head_dim: int, block_n: int) -> Optional[int]:
+    """Key tile for a block-sparse call: the largest multiple of 16 up to the head dim's default
+    tile that divides the CSR's block_n (a CSR key block must cover whole kernel tiles)."""
+    default = TILE_CONFIG[head_dim][0]
+    for t in range(default, 15, -16):
+        if block_n % t == 0:
+            return t
+    return None
+
+
 _TORCH_TO_CUTLASS = None
 
 
@@ -100,10 +113,21 @@ class FastSm90Forward:
             return f"head dim {spec.head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})"
         if spec.needs_grad:
             return "no SM90 backward kernel yet (forward only)"
+        if spec.num_key_ranges > MAX_KEY_RANGES:
+            return (f"at most {MAX_KEY_RANGES} key ranges per row (intervals are held in "
+                    f"registers), got {spec.num_key_ranges}")
         if spec.has_key_ranges:
-            return "key_ranges not supported yet"
+            rows = spec.batch * spec.seqlen_q if spec.mode == "batched" else None
+            if rows is not None and rows * spec.num_heads_q * spec.num_key_ranges * 2 >= 2 ** 31:
+                return "key_ranges over 2**31 elements (32-bit indexing)"
         if spec.has_block_sparse:
-            return "block-sparse not supported yet"
+            bm, bn = spec.block_size
+            if bm % 128:
+                return (f"block-sparse block_m {bm} must be a multiple of the kernel's 128-row "
+                        f"query tile")
+            if _sparse_tile_n(spec.head_dim, bn) is None:
+                return (f"block-sparse block_n {bn} must be a multiple of 16 (the kernel's key "
+                        f"tile divides it)")
         return None
 
     # -- compile -------------------------------------------------------------------------------
@@ -111,10 +135,14 @@ class FastSm90Forward:
     def config(spec) -> Tuple[int, int, int, bool, bool, bool, bool]:
         """(tile_m, tile_n, stages, pingpong, intra-warpgroup overlap, persistent, separate O)."""
         tile_n, stages = TILE_CONFIG[spec.head_dim]
+        if spec.has_block_sparse:  # the key tile must divide the CSR's key block
+            tile_n = _sparse_tile_n(spec.head_dim, spec.block_size[1])
         # ping-pong pays off where the softmax is a large share of the work (D <= 128); at larger
         # D the GEMMs dominate and the extra barrier only serialises (FA3 makes the same choice)
-        persistent = (not spec.causal) if _PERSISTENT_ENV == "" \
-            else _PERSISTENT_ENV != "0"
+        # key ranges / block-sparse: uneven work per tile, which the hardware's assignment of
+        # one CTA per tile balances better than a static stride (as for causal)
+        persistent = (not (spec.causal or spec.has_key_ranges or spec.has_block_sparse)) \
+            if _PERSISTENT_ENV == "" else _PERSISTENT_ENV != "0"
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
         return 128, tile_n, stages, spec.head_dim <= 128, True, persistent, separate_o
 
@@ -126,6 +154,9 @@ class FastSm90Forward:
 
     def compile_key(self, spec, arch: int):
         name = "sm90_fwd_varlen" if spec.mode == "varlen" else "sm90_fwd"
+        # key ranges (R) and block-sparse change the generated code; dense keys stay as they were
+        name += f"_kr{spec.num_key_ranges}" if spec.has_key_ranges else ""
+        name += "_bs" if spec.has_block_sparse else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), arch_string(arch))
 
@@ -136,7 +167,8 @@ class FastSm90Forward:
         return FlashFwdSm90(_cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v,
                             spec.causal, tile_n, stages, pingpong, overlap, persistent, separate_o,
                             window_left=wl, window_right=wr, softcap=sc,
-                            varlen=spec.mode == "varlen")
+                            varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
+                            block_sparse=spec.has_block_sparse)
 
     @staticmethod
     def arg_schema(spec):
@@ -157,6 +189,14 @@ class FastSm90Forward:
             fields += [(f"{t}_stride_{m}", "i64") for t in "qkv" for m in "bsh"]
         fields += [("scale_log2", "f32"), ("win_left", "i32"), ("win_right", "i32"),
                    ("softcap_scale", "f32"), ("softcap", "f32"), ("num_sms", "i32")]
+        # feature fields (FlashFwdSm90.feature_args): flat int32 arrays + element strides
+        if spec.has_key_ranges:
+            fields += [("key_ranges", ("ptr", cutlass.Int32, 8)), ("kr_sb", "i32"), ("kr_sh", "i32")]
+        if spec.has_block_sparse:
+            fields += [(n, ("ptr", cutlass.Int32, 4)) for n in ("bs_full_rowptr", "bs_full_col",
+                                                                 "bs_mask_rowptr", "bs_mask_col")]
+            fields += [("bs_ratio_m", "i32"), ("bs_ratio_n", "i32")]
+            fields += [(f"bs_{a}_s{m}", "i32") for a in ("frp", "fcol", "mrp", "mcol") for m in "bh"]
         return ArgSchema(fields)
 
     def compile_for(self, spec, arch: int, keep_ptx: bool = False):
@@ -221,13 +261,40 @@ class FastSm90Forward:
         return hit
 
     @staticmethod
-    def pack_args(pack, tail, q, k, v, out, lse):
+    def pack_args(pack, tail, q, k, v, out, lse, feat=()):
         """The per-call packed argument: raw pointers, shapes, q/k/v strides, scalars."""
         B, Sq, Hq, _ = q.shape
         sq, sk, sv = q.stride(), k.stride(), v.stride()
         return pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                     B, Sq, k.shape[1], Hq, k.shape[2], sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
-                    sv[0], sv[1], sv[2], *tail)
+                    sv[0], sv[1], sv[2], *tail, *feat)
+
+    def feature_values(self, call):
+        """Packed values of the key-range / block-sparse fields (arg_schema order). Arrays are
+        made contiguous int32 and kept alive in call.extra until the call object goes away
+        (the stream-ordered allocator would make that safe anyway)."""
+        spec = call.spec
+        vals, keep = [], []
+        if spec.has_key_ranges:
+            kr = call.key_ranges.to(torch.int32).contiguous()
+            keep.append(kr)
+            # a size-1 batch or head dimension broadcasts: stride 0
+            vals += [kr.data_ptr(), kr.stride(0) if kr.shape[0] > 1 else 0,
+                     kr.stride(1) if kr.shape[1] > 1 else 0]
+        if spec.has_block_sparse:
+            bs = call.block_sparse
+            tile_n = self.config(spec)[1]
+            arrays, strides = [], []
+            for csr in (bs.q2k_full, bs.q2k_mask):
+                rp, col = csr.rowptr.to(torch.int32).contiguous(), csr.col.to(torch.int32).contiguous()
+                keep += [rp, col]
+                arrays += [rp.data_ptr(), col.data_ptr()]
+            for t in keep[-4:]:
+                strides += [t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0]
+            vals += arrays + [bs.block_m // 128, bs.block_n // tile_n] + strides
+        if keep:
+            call.extra["_sm90_keepalive"] = keep
+        return tuple(vals)
 
     def _forward_varlen(self, call):
         spec = call.spec
@@ -251,7 +318,7 @@ class FastSm90Forward:
         args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                     cu_q.data_ptr(), cu_k.data_ptr(), Tq, k.shape[0], Hq, k.shape[1],
                     spec.batch, max(spec.seqlen_q, 1), sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
-                    *tail)
+                    *tail, *self.feature_values(call))
         fn(args, _current_stream(q.device))
         return out, lse
 
@@ -275,7 +342,8 @@ class FastSm90Forward:
         if k.shape[1] == 0:  # no keys at all: every row is fully masked
             return out.zero_(), lse.fill_(-math.inf)
         fn, pack, tail = self._entry(spec, q.device)
-        fn(self.pack_args(pack, tail, q, k, v, out, lse), _current_stream(q.device))
+        feat = self.feature_values(call) if (spec.has_key_ranges or spec.has_block_sparse) else ()
+        fn(self.pack_args(pack, tail, q, k, v, out, lse, feat), _current_stream(q.device))
         return out, lse
 
     def backward(self, call, out, lse, dout):

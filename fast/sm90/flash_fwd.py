@@ -35,6 +35,15 @@ from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
+from cutlass import Boolean
+
+from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
+from dualattn.fast.common.mask import (
+    apply_key_ranges,
+    block_inside_ranges,
+    key_range_span_warp,
+    load_key_ranges,
+)
 from dualattn.fast.common.sm90_pipeline import (
     check_pipeline_config,
     check_smem_budget,
@@ -98,8 +107,16 @@ class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
                  num_stages: int, pingpong: bool = True, overlap: bool = True,
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
-                 window_right: bool = False, softcap: bool = False, varlen: bool = False):
+                 window_right: bool = False, softcap: bool = False, varlen: bool = False,
+                 num_key_ranges: int = 0, block_sparse: bool = False):
         self.dtype = dtype
+        # key ranges: R per-row key intervals (registers); block-sparse: the key tiles come from
+        # the q->k CSR. Both decide per key block at run time whether it needs the element mask
+        # (dense configs keep the static masked/unmasked split and compile none of this)
+        self.num_key_ranges = num_key_ranges
+        self.block_sparse = block_sparse
+        self.dynamic_mask = num_key_ranges > 0 or block_sparse
+        assert 0 <= num_key_ranges <= 4
         # varlen: packed (total, H, D) tensors, per-sequence bounds from cu_seqlens (see __call__)
         self.varlen = varlen
         self.head_dim = head_dim
@@ -138,11 +155,15 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale_log2: Float32, win_left: Int32,
                  win_right: Int32, softcap_scale: Float32, softcap_val: Float32, num_sms: Int32,
-                 stream, vl=None):
+                 stream, vl=None, kr=None, bs=None):
         """mQ/mO (B, Sq, Hq, D[v]), mK/mV (B, Sk, Hkv, D[v]), mLSE (B, Hq, Sq) fp32.
 
         varlen: vl = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, num_batch); mQ/mO are
-        (1, total_q, Hq, D[v]), mK/mV (1, total_k, Hkv, D[v]), mLSE (1, Hq, total_q)."""
+        (1, total_q, Hq, D[v]), mK/mV (1, total_k, Hkv, D[v]), mLSE (1, Hq, total_q).
+        key ranges: kr = (flat int32 key_ranges, batch stride, head stride);
+        block-sparse: bs = (full rowptr, full col, mask rowptr, mask col (flat int32), ratio_m,
+        ratio_n, then batch / head strides of full rowptr, full col, mask rowptr, mask col);
+        a stride of 0 broadcasts."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mO.element_type != self.dtype):
             raise TypeError("q, k, v, o must all have the kernel's dtype")
@@ -221,6 +242,8 @@ class FlashFwdSm90:
             softmax_scale_log2, win_left, win_right, softcap_scale, softcap_val,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             *((vl,) if const_expr(self.varlen) else ()),
+            **({"kr": kr} if const_expr(self.num_key_ranges > 0) else {}),
+            **({"bs": bs} if const_expr(self.block_sparse) else {}),
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  smem=SharedStorage.size_in_bytes())
 
@@ -252,7 +275,22 @@ class FlashFwdSm90:
         pointers, shapes, strides and the scalars; no DLPack conversion per call."""
         vals = args.values
         mQ, mK, mV, mO, mLSE = self.tensors_from_pointers(*vals[:19])
-        self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:], stream)
+        self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None,
+                      *self.feature_args(vals[25:]))
+
+    def feature_args(self, vals):
+        """(kr, bs) of ``__call__`` from the packed fields after the scalars (see
+        FastSm90Forward.arg_schema): key-range pointer + 2 strides, then the 4 CSR pointers,
+        ratio_m, ratio_n and 8 strides."""
+        flat = cute.make_layout(1 << 30)
+        kr = bs = None
+        i = 0
+        if const_expr(self.num_key_ranges > 0):
+            kr = (cute.make_tensor(vals[0], flat), vals[1], vals[2])
+            i = 3
+        if const_expr(self.block_sparse):
+            bs = (*[cute.make_tensor(p, flat) for p in vals[i:i + 4]], *vals[i + 4:i + 14])
+        return kr, bs
 
     @cute.jit
     def from_packed_varlen(self, args, stream):
@@ -280,8 +318,8 @@ class FlashFwdSm90:
             (1, heads_q, total_q), stride=(lse_sh * heads_q, lse_sh, 1)))
         mCuQ = cute.make_tensor(cuq_ptr, cute.make_layout(batch + 1))
         mCuK = cute.make_tensor(cuk_ptr, cute.make_layout(batch + 1))
-        self.__call__(mQ, mK, mV, mO, mLSE, *args.values[19:], stream,
-                      (mCuQ, mCuK, max_seqlen_q, batch))
+        self.__call__(mQ, mK, mV, mO, mLSE, *args.values[19:25], stream,
+                      (mCuQ, mCuK, max_seqlen_q, batch), *self.feature_args(args.values[25:]))
 
     def _smem_layout(self, shape, stages):
         atom = warpgroup.make_smem_layout_atom(
@@ -299,7 +337,7 @@ class FlashFwdSm90:
                softcap_scale: Float32, softcap_val: Float32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, vl=None):
+               tiled_mma_pv: cute.TiledMma, vl=None, kr=None, bs=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -344,12 +382,12 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                             pipe_q, pipe_k, pipe_v, win_left, win_right, vl)
+                             pipe_q, pipe_k, pipe_v, win_left, win_right, vl, kr, bs)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                          tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128, win_left,
-                         win_right, softcap_scale, softcap_val, vl)
+                         win_right, softcap_scale, softcap_val, vl, kr, bs)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -427,15 +465,15 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None):
+                pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile, step = self.first_tile_and_step()
         total = self.num_tiles(mQ, vl)
         while tile < total:
-            (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, _, _, offset_q,
-             offset_k) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
+            (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, _,
+             offset_q, offset_k) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
             if const_expr(self.varlen):
                 # packed tensors: the sequence starts at row offset_*; loads that run past its
                 # end read the next sequence's rows (keys masked, rows never stored) or zeros
@@ -459,8 +497,16 @@ class FlashFwdSm90:
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
-            for i in cutlass.range(cutlass.max(n_block_max - n_block_min, 0), unroll=1):
+            n_iters = cutlass.max(n_block_max - n_block_min, 0)
+            visit = (n_block_max,)
+            if const_expr(self.dynamic_mask):
+                # the same plan the consumers compute (this warp alone: every lane agrees)
+                n_iters, visit, _ = self.visit_plan(m_block, head_idx, batch_idx, n_block_min,
+                                                    n_block_max, seqlen_q, offset_q, kr, bs)
+            for i in cutlass.range(n_iters, unroll=1):
                 n_block = n_block_max - 1 - i
+                if const_expr(self.dynamic_mask):
+                    n_block = self.block_at(i, visit)[0]
                 pipe_k.producer_acquire(kv_state)
                 cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
                           tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
@@ -474,7 +520,7 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                 tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx, win_left, win_right,
-                softcap_scale, softcap_val, vl=None):
+                softcap_scale, softcap_val, vl=None, kr=None, bs=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_slice_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -538,9 +584,35 @@ class FlashFwdSm90:
                        row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
                        m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
                        win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
-                       softcap_val=softcap_val)
+                       softcap_val=softcap_val, kr=None, inter=None)
+            if const_expr(self.dynamic_mask):
+                n_blocks, visit, ctx.inter = self.visit_plan(
+                    m_block, head_idx, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q,
+                    kr, bs)
+                if const_expr(self.num_key_ranges > 0):
+                    # this thread's rows' intervals, for the element mask
+                    kr_row0 = offset_q if const_expr(self.varlen) else Int32(0)
+                    ctx.kr = load_key_ranges(kr[0], kr[1] * batch_idx + kr[2] * head_idx,
+                                             kr_row0, tScS_mn, m_block * BM, seqlen_q,
+                                             self.num_key_ranges)[0]
             pipe_q.consumer_wait(q_state)
-            if const_expr(not self.overlap):
+            if const_expr(self.dynamic_mask):
+                # key blocks in the plan's order, the mask decided per block at run time
+                if n_blocks > 0:
+                    if const_expr(self.overlap):
+                        self.first_half_block(ctx, self.block_at(0, visit)[0], kv_state, tOrP)
+                    for i in cutlass.range(n_blocks - 1 if const_expr(self.overlap) else n_blocks,
+                                           unroll=1):
+                        it = i + 1 if const_expr(self.overlap) else i
+                        n_block, is_mask_entry = self.block_at(it, visit)
+                        need = self.block_need_mask(ctx, n_block, is_mask_entry)
+                        if const_expr(self.overlap):
+                            kv_state = self.overlapped_block(ctx, need, n_block, kv_state, tOrP)
+                        else:
+                            kv_state = self.one_block(ctx, need, n_block, kv_state)
+                    if const_expr(self.overlap):
+                        kv_state = self.last_half_block(ctx, kv_state, tOrP)
+            elif const_expr(not self.overlap):
                 for i in cutlass.range(n_masked, unroll=1):
                     kv_state = self.one_block(ctx, True, n_block_max - 1 - i, kv_state)
                 for i in cutlass.range(n_blocks - n_masked, unroll=1):
@@ -625,6 +697,67 @@ class FlashFwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
+    def visit_plan(self, m_block, head, batch, n_block_min, n_block_max, seqlen_q, offset_q, kr,
+                   bs):
+        """(number of key tiles to visit, ``block_at`` state, tile-wide key-range intersections)
+        of one query tile, for the key-range / block-sparse configs. Computed independently by
+        the producer warp and by every consumer warp, from the same inputs, so all agree.
+
+        Block-sparse: the CSR row of this query tile (mask entries, then full ones).
+        Key ranges: the causal/window range narrowed to the union of the tile's intervals."""
+        BM, BN = self.tile_m, self.tile_n
+        n_iters = cutlass.max(n_block_max - n_block_min, 0)
+        visit = (n_block_max,)
+        inter = None
+        if const_expr(self.block_sparse):
+            (mFR, mFC, mMR, mMC, ratio_m, ratio_n, f_rp_sb, f_rp_sh, f_col_sb, f_col_sh, m_rp_sb,
+             m_rp_sh, m_col_sb, m_col_sh) = bs
+            f_col0, f_cnt = csr_row(mFR, f_rp_sb * batch + f_rp_sh * head, m_block // ratio_m)
+            m_col0, m_cnt = csr_row(mMR, m_rp_sb * batch + m_rp_sh * head, m_block // ratio_m)
+            f_col0 = f_col0 + f_col_sb * batch + f_col_sh * head
+            m_col0 = m_col0 + m_col_sb * batch + m_col_sh * head
+            n_iters = (f_cnt + m_cnt) * ratio_n
+            if m_block * BM >= seqlen_q:  # varlen tile past its sequence's end
+                n_iters = Int32(0)
+            visit = (n_block_max, mFC, mMC, f_col0, m_col0, m_cnt, ratio_n)
+        elif const_expr(self.num_key_ranges > 0):
+            kr_row0 = offset_q if const_expr(self.varlen) else Int32(0)
+            lo_min, hi_max, inter = key_range_span_warp(
+                kr[0], kr[1] * batch + kr[2] * head, kr_row0, m_block * BM, BM, seqlen_q,
+                self.num_key_ranges)
+            n_lo = cutlass.max(n_block_min, lo_min // BN)
+            n_hi = cutlass.min(n_block_max, cute.ceil_div(hi_max, BN))
+            n_iters = cutlass.max(n_hi - n_lo, 0)
+            visit = (n_hi,)
+        return n_iters, visit, inter
+
+    @cute.jit
+    def block_at(self, it, visit):
+        """(key tile, from a CSR mask entry?) of visit number ``it``: dense and key ranges walk
+        backwards from the plan's end (the diagonal / tail first), block-sparse the CSR row."""
+        if const_expr(self.block_sparse):
+            return csr_block_at(it, *visit[1:])
+        return visit[0] - 1 - it, Boolean(True)
+
+    @cute.jit
+    def block_need_mask(self, ctx, n_block, is_mask_entry):
+        """Does key tile ``n_block`` need the element mask? Block-sparse: CSR mask entries and
+        the key tail (a full entry is the caller's promise that the predicate holds). Key
+        ranges: the tail, a causal/window boundary, or a tile not inside one of the tile-wide
+        interval intersections."""
+        BN = self.tile_n
+        need = (n_block + 1) * BN > ctx.seqlen_k
+        if const_expr(self.block_sparse):
+            need = need or is_mask_entry
+        else:
+            need = block_needs_mask(ctx.m_block, n_block, self.tile_m, BN, ctx.seqlen_q,
+                                    ctx.seqlen_k, ctx.win_left, ctx.win_right, self.mask_left,
+                                    self.mask_right)
+            need = need or not block_inside_ranges(ctx.inter, n_block * BN, n_block * BN + BN,
+                                                   self.num_key_ranges)
+        return need
+
+    @cute.jit
     def store_O_rows(self, sO, mO, offset_q, head_idx, m_block, rows_left, tidx):
         """Varlen epilogue: the 256 consumer threads copy O's first ``rows_left`` rows from shared
         memory to the packed output, 16 bytes per thread and row chunk."""
@@ -670,6 +803,19 @@ class FlashFwdSm90:
                 else:
                     if col >= limit:
                         acc_S_mn[r, c] = -Float32.inf
+        if const_expr(self.num_key_ranges > 0):
+            apply_key_ranges(acc_S_mn, ctx.tScS_mn, col0, ctx.kr, self.num_key_ranges)
+
+    @cute.jit
+    def maybe_mask(self, ctx, acc_S_mn, n_block, masked):
+        """Mask if ``masked``: a Python bool (dense configs: decided at trace time) or a run-time
+        Boolean (key ranges / block-sparse)."""
+        if const_expr(isinstance(masked, bool)):
+            if const_expr(masked):
+                self.mask_scores(ctx, acc_S_mn, n_block)
+        else:
+            if masked:
+                self.mask_scores(ctx, acc_S_mn, n_block)
 
     @cute.jit
     def apply_softcap(self, ctx, acc_S):
@@ -737,7 +883,7 @@ class FlashFwdSm90:
 
     # ---- without intra-warpgroup overlap -------------------------------------------------------
     @cute.jit
-    def one_block(self, ctx, masked: cutlass.Constexpr, n_block, kv_state):
+    def one_block(self, ctx, masked, n_block, kv_state):
         ctx.pipe_k.consumer_wait(kv_state)
         self.sched_sync(ctx)
         acc_S = self.qk(ctx, kv_state)
@@ -746,8 +892,7 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        if const_expr(masked):
-            self.mask_scores(ctx, acc_S_mn, n_block)
+        self.maybe_mask(ctx, acc_S_mn, n_block, masked)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)
         self.rescale_O(ctx, corr)
@@ -777,7 +922,7 @@ class FlashFwdSm90:
         self.convert_P(acc_S, tOrP)
 
     @cute.jit
-    def overlapped_block(self, ctx, masked: cutlass.Constexpr, n_block, kv_state, tOrP):
+    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP):
         kv_state_v = kv_state.clone()   # V of the previous block
         kv_state.advance()              # K of this block
         ctx.pipe_k.consumer_wait(kv_state)
@@ -791,8 +936,7 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        if const_expr(masked):
-            self.mask_scores(ctx, acc_S_mn, n_block)
+        self.maybe_mask(ctx, acc_S_mn, n_block, masked)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)
         warpgroup.wait_group(0)         # P V done: tOrP and O may be touched again
