@@ -304,3 +304,17 @@ def test_dense_compile_key_unchanged_by_features():
     assert FORWARD.compile_key(_spec(num_key_ranges=2), 90)[0] == "sm90_fwd_kr2"
     assert FORWARD.compile_key(_spec(num_key_ranges=2), 90) != FORWARD.compile_key(_spec(num_key_ranges=3), 90)
     assert FORWARD.compile_key(_spec(block_size=(128, 128)), 90)[0] == "sm90_fwd_bs"
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode,causal", [("batched", True), ("varlen", False)])
+def test_head_dims_192_128_compile(mode, causal):
+    spec = AttentionSpec(mode, 2, 1000, 1000, 8, 2, 192, 128, torch.bfloat16, "cuda", causal=causal)
+    assert FastSm90Forward.can_implement_static(spec) is None
+    assert FORWARD.compile_key(spec, 90)[2:4] == (192, 128)
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    # S = Q K^T and O += P V are both m64n128 (tile_n 128, Dv 128); K = 192 is 12 k16 steps
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx)
+    assert not re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n192k16", ptx)
+    assert _loops_with(ptx, "wgmma.mma_async") >= 1

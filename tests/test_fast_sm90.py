@@ -71,6 +71,13 @@ for _c in (False, True):
     _case("softcap", 2, 777, 777, 4, 2, 128, "bfloat16", _c, softcap=20.0)
     _case("softcap", 1, 113, 203, 4, 4, 64, "float16", _c, softcap=5.0)
 _case("softcap", 1, 500, 500, 2, 1, 256, "bfloat16", False, window=(50, 0), softcap=10.0)
+# head dims (192, 128): Dv != D
+for _c in (False, True):
+    _case("dv128", 2, 1000, 1000, 4, 2, 192, "bfloat16", _c, dv=128)
+    _case("dv128", 2, 113, 203, 4, 1, 192, "bfloat16", _c, dv=128)
+    _case("dv128", 1, 239, 1, 2, 2, 192, "float16", _c, dv=128)
+    _case("dv128", 1, 1, 1, 2, 2, 192, "bfloat16", _c, dv=128)
+_case("dv128", 2, 1000, 1000, 4, 2, 192, "bfloat16", True, "1", dv=128, window=(100, 0))
 # non-contiguous q / k / v (strides reach the kernel as runtime values)
 _case("strided", 2, 300, 517, 4, 2, 128, "bfloat16", False, strided=True)
 _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
@@ -95,6 +102,8 @@ for _c in (False, True):
                          2, 1, 128, _c, {}))
     VARLEN_CASES.append((f"varlen-d192{'-causal' if _c else ''}", [130, 1, 257], [129, 2, 256],
                          4, 2, 192, _c, {}))
+VARLEN_CASES.append(("varlen-dv128-d192-causal", [130, 0, 1, 257], [129, 3, 1, 256], 4, 2, 192,
+                     True, {"dv": 128}))
 VARLEN_CASES.append(("varlen-nokeys-d64", [5, 17], [0, 0], 2, 2, 64, False, {}))
 VARLEN_CASES.append(("varlen-10docs-d128-causal", [409] * 9 + [415], [409] * 9 + [415], 4, 4, 128,
                      True, {}))
@@ -109,12 +118,12 @@ FEATURE_CASES = []
 DEVICE = "cuda"  # the builders' device (a CPU dry run of the builders sets "cpu")
 
 
-def _qkv(B, Sq, Sk, H, Hkv, D, dtype="bfloat16", varlen=False):
+def _qkv(B, Sq, Sk, H, Hkv, D, dtype="bfloat16", varlen=False, dv=None):
     dt = getattr(torch, dtype)
     lead_q, lead_k = ((Sq,), (Sk,)) if varlen else ((B, Sq), (B, Sk))
     return (torch.randn(*lead_q, H, D, device=DEVICE, dtype=dt),
             torch.randn(*lead_k, Hkv, D, device=DEVICE, dtype=dt),
-            torch.randn(*lead_k, Hkv, D, device=DEVICE, dtype=dt))
+            torch.randn(*lead_k, Hkv, dv or D, device=DEVICE, dtype=dt))
 
 
 def _random_kr(shape, Sk, seed, empty_row=None):
@@ -126,13 +135,15 @@ def _random_kr(shape, Sk, seed, empty_row=None):
     return kr.to(DEVICE)
 
 
-def _kr_case(name, B, Sq, Sk, H, Hkv, D, R, causal=False, dtype="bfloat16", heads=True, **kw):
+def _kr_case(name, B, Sq, Sk, H, Hkv, D, R, causal=False, dtype="bfloat16", heads=True, dv=None,
+             **kw):
     def make(seed):
         from dualattn.spec import build_dense
         kr = _random_kr((1 if heads else B, H if heads else 1, Sq, R, 2), Sk, seed, empty_row=5)
-        return build_dense(*_qkv(B, Sq, Sk, H, Hkv, D, dtype), causal=causal, key_ranges=kr,
+        return build_dense(*_qkv(B, Sq, Sk, H, Hkv, D, dtype, dv=dv), causal=causal, key_ranges=kr,
                            return_lse=True, **kw), None
-    FEATURE_CASES.append((f"kr-{name}-R{R}-d{D}{'-causal' if causal else ''}", make))
+    FEATURE_CASES.append((f"kr-{name}-R{R}-d{D}{f'-dv{dv}' if dv else ''}{'-causal' if causal else ''}",
+                          make))
 
 
 for _c in (False, True):
@@ -145,6 +156,7 @@ for _c in (False, True):
     _kr_case("len1", 1, 1, 1, 2, 2, 64, 1, _c)
     _kr_case("win", 2, 500, 700, 4, 2, 96, 2, _c, window=(100, 20))
 _kr_case("softcap", 1, 300, 300, 2, 2, 128, 2, False, softcap=10.0)
+_kr_case("odd", 2, 113, 203, 4, 2, 192, 2, True, dv=128)
 
 
 def _docs_case(name, segs, S, H, D, causal, dtype="bfloat16", with_csr=False, block=(128, 128)):
@@ -170,7 +182,7 @@ for _c in (False, True):
 _docs_case("bs-kr-docs-s900", [[300, 129, 400]], 900, 2, 256, True, with_csr=True)
 
 
-def _bs_case(name, B, Sq, Sk, H, Hkv, D, block, causal=False, dtype="bfloat16", **kw):
+def _bs_case(name, B, Sq, Sk, H, Hkv, D, block, causal=False, dtype="bfloat16", dv=None, **kw):
     def make(seed):
         from dualattn.sparse import BlockSparse
         from dualattn.spec import build_dense
@@ -180,10 +192,10 @@ def _bs_case(name, B, Sq, Sk, H, Hkv, D, block, causal=False, dtype="bfloat16", 
         states = torch.randint(0, 3, (B, H, nq, nk), generator=g, dtype=torch.int8)
         states[0, min(1, H - 1), 0, :] = 0
         bs = BlockSparse.from_block_states(states.to(DEVICE), block[0], block[1], Sq, Sk)
-        return build_dense(*_qkv(B, Sq, Sk, H, Hkv, D, dtype), causal=causal, block_sparse=bs,
+        return build_dense(*_qkv(B, Sq, Sk, H, Hkv, D, dtype, dv=dv), causal=causal, block_sparse=bs,
                            return_lse=True, **kw), None
-    FEATURE_CASES.append((f"bs-{name}-{block[0]}x{block[1]}-d{D}{'-causal' if causal else ''}",
-                          make))
+    FEATURE_CASES.append((f"bs-{name}-{block[0]}x{block[1]}-d{D}{f'-dv{dv}' if dv else ''}"
+                          f"{'-causal' if causal else ''}", make))
 
 
 for _c in (False, True):
@@ -195,6 +207,7 @@ for _c in (False, True):
     _bs_case("q239k1", 1, 239, 1, 2, 1, 64, (128, 128), _c)
 _bs_case("win", 2, 600, 600, 4, 2, 128, (128, 128), True, window=(200, 0))
 _bs_case("softcap", 1, 400, 400, 2, 2, 64, (128, 128), False, softcap=15.0)
+_bs_case("random", 2, 300, 517, 4, 2, 192, (128, 128), True, dv=128)
 
 
 def _bs_exact_case(window, D, causal=True):
@@ -293,6 +306,7 @@ def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
 
     kw = dict(kw)
     dt = getattr(torch, kw.pop("dtype", "bfloat16"))
+    Dv = kw.pop("dv", D)
     rec = {"name": name}
     try:
         cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
@@ -300,7 +314,7 @@ def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
         Tq, Tk = int(cu_q[-1]), int(cu_k[-1])
         q = torch.randn(Tq, Hq, D, device="cuda", dtype=dt)
         k = torch.randn(Tk, Hkv, D, device="cuda", dtype=dt)
-        v = torch.randn(Tk, Hkv, D, device="cuda", dtype=dt)
+        v = torch.randn(Tk, Hkv, Dv, device="cuda", dtype=dt)
         call = build_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, return_lse=True,
                             **kw)
         impl = select(call.spec, "fast")
@@ -309,7 +323,7 @@ def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
         for _ in range(2):
             # NaN-poisoned outputs with poisoned guard rows after the end: a store past the last
             # sequence's end would overwrite them
-            buf = torch.full((Tq + 160, Hq, D), float("nan"), device="cuda", dtype=dt)
+            buf = torch.full((Tq + 160, Hq, Dv), float("nan"), device="cuda", dtype=dt)
             call.extra["out"] = buf[:Tq]
             call.extra["lse"] = torch.full((Hq, Tq), float("nan"), device="cuda")
             o, lse = impl.forward(call)
@@ -355,6 +369,7 @@ def _run_worker(out_path: str, group: str) -> None:
             rec = {"name": name}
             try:
                 kw = dict(kw)
+                Dv = kw.pop("dv", D)
                 if kw.pop("strided", False):
                     # strided views (a slice of a wider q, k and v interleaved in one buffer):
                     # the launch passes q/k/v strides, not just shapes
@@ -364,13 +379,13 @@ def _run_worker(out_path: str, group: str) -> None:
                 else:
                     q = torch.randn(B, Sq, Hq, D, device="cuda", dtype=dt)
                     k = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
-                    v = torch.randn(B, Sk, Hkv, D, device="cuda", dtype=dt)
+                    v = torch.randn(B, Sk, Hkv, Dv, device="cuda", dtype=dt)
                 call = build_dense(q, k, v, causal=causal, return_lse=True, **kw)
                 impl = select(call.spec, "fast")
                 rec["impl"] = impl.name
                 outs = []
                 for _ in range(2):
-                    call.extra["out"] = torch.full((B, Sq, Hq, D), float("nan"), device="cuda", dtype=dt)
+                    call.extra["out"] = torch.full((B, Sq, Hq, Dv), float("nan"), device="cuda", dtype=dt)
                     call.extra["lse"] = torch.full((B, Hq, Sq), float("nan"), device="cuda")
                     o, lse = impl.forward(call)
                     torch.cuda.synchronize()

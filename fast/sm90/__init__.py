@@ -39,14 +39,21 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
+# head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
+# K (48 KB) + V (32 KB) at tile_n 128 = 208 KB: the wider key tile of hd128 fits.
+TILE_CONFIG_DV = {(192, 128): (128, 2)}
+
+
+def _tile_config(head_dim: int, head_dim_v: int):
+    return TILE_CONFIG_DV.get((head_dim, head_dim_v)) or TILE_CONFIG[head_dim]
 
 MAX_KEY_RANGES = 4  # per-row intervals held in registers
 
 
-def _sparse_tile_n(head_dim: int, block_n: int) -> Optional[int]:
+def _sparse_tile_n(head_dim: int, block_n: int, head_dim_v: Optional[int] = None) -> Optional[int]:
     """Key tile for a block-sparse call: the largest multiple of 16 up to the head dim's default
     tile that divides the CSR's block_n (a CSR key block must cover whole kernel tiles)."""
-    default = TILE_CONFIG[head_dim][0]
+    default = _tile_config(head_dim, head_dim if head_dim_v is None else head_dim_v)[0]
     for t in range(default, 15, -16):
         if block_n % t == 0:
             return t
@@ -107,8 +114,9 @@ class FastSm90Forward:
             return f"mode {spec.mode!r} not supported (batched and varlen only; kvcache falls back)"
         if spec.dtype not in (torch.float16, torch.bfloat16):
             return f"dtype {spec.dtype} not supported (float16, bfloat16)"
-        if spec.head_dim != spec.head_dim_v:
-            return f"head dims q/k {spec.head_dim} != v {spec.head_dim_v} not supported"
+        if spec.head_dim != spec.head_dim_v and (spec.head_dim, spec.head_dim_v) not in TILE_CONFIG_DV:
+            return (f"head dims q/k {spec.head_dim} != v {spec.head_dim_v} not supported (equal "
+                    f"head dims, or (D, Dv) in {sorted(TILE_CONFIG_DV)})")
         if spec.head_dim not in SUPPORTED_HEAD_DIMS:
             return f"head dim {spec.head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})"
         if spec.needs_grad:
@@ -125,7 +133,7 @@ class FastSm90Forward:
             if bm % 128:
                 return (f"block-sparse block_m {bm} must be a multiple of the kernel's 128-row "
                         f"query tile")
-            if _sparse_tile_n(spec.head_dim, bn) is None:
+            if _sparse_tile_n(spec.head_dim, bn, spec.head_dim_v) is None:
                 return (f"block-sparse block_n {bn} must be a multiple of 16 (the kernel's key "
                         f"tile divides it)")
         return None
@@ -134,9 +142,9 @@ class FastSm90Forward:
     @staticmethod
     def config(spec) -> Tuple[int, int, int, bool, bool, bool, bool]:
         """(tile_m, tile_n, stages, pingpong, intra-warpgroup overlap, persistent, separate O)."""
-        tile_n, stages = TILE_CONFIG[spec.head_dim]
+        tile_n, stages = _tile_config(spec.head_dim, spec.head_dim_v)
         if spec.has_block_sparse:  # the key tile must divide the CSR's key block
-            tile_n = _sparse_tile_n(spec.head_dim, spec.block_size[1])
+            tile_n = _sparse_tile_n(spec.head_dim, spec.block_size[1], spec.head_dim_v)
         # ping-pong pays off where the softmax is a large share of the work (D <= 128); at larger
         # D the GEMMs dominate and the extra barrier only serialises (FA3 makes the same choice)
         # key ranges / block-sparse: uneven work per tile, which the hardware's assignment of
