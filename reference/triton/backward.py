@@ -152,7 +152,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
             end = tl.load(FullPtr + bp + 1)
             for e in range(start, end):
                 qb = tl.load(FullCol + b * sfc_b + h * sfc_h + e)
-                for t in tl.static_range(BS_M // BLOCK_M):
+                for t in range(0, BS_M // BLOCK_M):
                     dk, dv = _attn_bwd_dkdv_block(
                         dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
                         seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
@@ -162,7 +162,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
             end = tl.load(MaskPtr + bp + 1)
             for e in range(start, end):
                 qb = tl.load(MaskCol + b * smc_b + h * smc_h + e)
-                for t in tl.static_range(BS_M // BLOCK_M):
+                for t in range(0, BS_M // BLOCK_M):
                     dk, dv = _attn_bwd_dkdv_block(
                         dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
                         seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
@@ -273,7 +273,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
         end = tl.load(FullPtr + bp + 1)
         for e in range(start, end):
             kb = tl.load(FullCol + b * sfc_b + h * sfc_h + e)
-            for t in tl.static_range(BS_N // BLOCK_N):
+            for t in range(0, BS_N // BLOCK_N):  # runtime loop (see header)
                 n0 = kb * BS_N + t * BLOCK_N
                 dq = _attn_bwd_dq_block(
                     dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
@@ -284,7 +284,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
         end = tl.load(MaskPtr + bp + 1)
         for e in range(start, end):
             kb = tl.load(MaskCol + b * smc_b + h * smc_h + e)
-            for t in tl.static_range(BS_N // BLOCK_N):
+            for t in range(0, BS_N // BLOCK_N):  # runtime loop (see header)
                 n0 = kb * BS_N + t * BLOCK_N
                 dq = _attn_bwd_dq_block(
                     dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,

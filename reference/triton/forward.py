@@ -107,7 +107,7 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
         end = tl.load(FullPtr + bp + 1)
         for e in range(start, end):
             kb = tl.load(FullCol + b * sfc_b + h * sfc_h + e)
-            for t in tl.static_range(BS_N // BLOCK_N):
+            for t in range(0, BS_N // BLOCK_N):  # runtime loop (see header)
                 n0 = kb * BS_N + t * BLOCK_N
                 acc, l_i, m_i = _attn_fwd_block(
                     acc, l_i, m_i, q, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
@@ -118,7 +118,7 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
         end = tl.load(MaskPtr + bp + 1)
         for e in range(start, end):
             kb = tl.load(MaskCol + b * smc_b + h * smc_h + e)
-            for t in tl.static_range(BS_N // BLOCK_N):
+            for t in range(0, BS_N // BLOCK_N):  # runtime loop (see header)
                 n0 = kb * BS_N + t * BLOCK_N
                 acc, l_i, m_i = _attn_fwd_block(
                     acc, l_i, m_i, q, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
