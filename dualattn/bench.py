@@ -10,15 +10,20 @@ The standard matrix (bf16 by default):
 * masks: sliding window 1024 (causal, 16k), 10 packed documents (varlen, causal, 16k),
   block-sparse (hd128, 8k, a fixed random pattern of full 128x128 blocks plus the diagonal);
 * each of forward, backward, forward+backward;
-* decode: 1 query token, GQA 32/8 hd128, KV cache 8k..128k, batch 1..64 (TB/s of KV read).
+* decode: 1 query token, GQA 32/8 hd128, KV cache 8k..128k, batch 1..64 (TB/s of KV read),
+  timed twice: eagerly (one Python call per timed run, as every other cell) and as the replay of
+  a CUDA graph that captured one call (rows ``<impl>@graph``), which is how serving runs decode.
 
 For every cell each dualattn implementation whose ``can_implement`` accepts it runs next to
 the peers available in this process: cuDNN and FlashAttention-2 through torch SDPA backends,
 FlexAttention (compiled), FlashAttention-4 (``flash_attn.cute``) when it imports. Times are
 medians of CUDA-event timings after warm-up, with the L2 cache flushed before each timed run;
 TFLOP/s count only useful FLOPs (visible query/key pairs; backward = 2.5x forward FLOPs);
-decode reports TB/s of KV cache read. The device-to-device copy bandwidth is measured in the
-same run for scale. Each dualattn forward output is compared with a peer's (max abs diff).
+decode reports TB/s of KV cache read. The eager timing starts its event after the L2 flush was
+queued, so host work that fits in the flush's time overlaps it: it shows the gaps between a call's
+kernels but not a slow host (which serving hides behind the previous layer's kernels, or removes
+with a graph); the @graph rows have no host work at all. The device-to-device copy bandwidth is
+measured in the same run for scale. Each dualattn forward output is compared with a peer's (max abs diff).
 """
 from __future__ import annotations
 
@@ -118,7 +123,7 @@ def standard_matrix(kinds: Sequence[str] = KINDS, dtype: str = "bfloat16") -> Li
         cells.append(Cell(kind, "docs", 1, 16384, 16384, 16, 16, 128, True, docs=10, dtype=dtype))
         cells.append(Cell(kind, "sparse", 2, 8192, 8192, 16, 16, 128, False, density=0.25, dtype=dtype))
     if "decode" in kinds:
-        for L in (8192, 32768, 131072):
+        for L in (8192, 16384, 32768, 65536, 131072):
             for b in (1, 8, 64):
                 cells.append(Cell("decode", "decode", b, 1, L, 32, 8, 128, dtype=dtype))
     return cells
@@ -495,6 +500,22 @@ class Timer:
         return statistics.median(times), reps
 
 
+GRAPH = "@graph"  # suffix of the rows timed as a CUDA-graph replay
+
+
+def cuda_graph_replay(fn: Callable[[], object]) -> Callable[[], object]:
+    """Capture one call of ``fn`` (already warmed up) in a CUDA graph; return its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a warm-up on a side stream before capture, as torch advises
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def copy_bandwidth_tbps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy, counting bytes read and written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -588,6 +609,8 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
         amount, unit = work(cell)
         free = torch.cuda.mem_get_info()[0] if cuda else None
         need = 6 * cell.batch * max(cell.seqlen_q, cell.seqlen_k) * cell.heads_q * cell.head_dim * 2
+        if cell.kind == "decode":  # the KV cache (= the bytes read) and little else
+            need = 1.25 * amount
         if free is not None and need > 0.8 * free:
             for name in [i.name for i in impls] + list(peers):
                 results.append(Result(cell, name, name in peers, f"n/a: needs ~{need / 2**30:.0f} GiB"))
@@ -599,10 +622,17 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
         inp = make_inputs(cell, device)
         ref_out = None
         cell_results: List[Result] = []
+
+        def emit(r: Result) -> None:
+            results.append(r)
+            cell_results.append(r)
+            if on_result:
+                on_result(r, cell_results)
         entries = [(p, True) for p in peers] + [(i, False) for i in impls]
         for entry, is_peer in entries:
             name = entry if is_peer else entry.name
             r = Result(cell, name, is_peer, unit=unit)
+            runner = None
             try:
                 runner = peer_runner(entry, inp) if is_peer else dualattn_runner(entry, inp)
                 r.ms, r.reps = timer.time_ms(runner.fn)
@@ -619,12 +649,18 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
                 r.status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
                 if cuda:
                     torch.cuda.synchronize()
-            results.append(r)
-            cell_results.append(r)
-            if on_result:
-                on_result(r, cell_results)
+            emit(r)
             if progress:
                 progress.step(f"{cell.label()} {name}")
+            if cell.kind == "decode" and cuda and r.status == "ok":
+                g = Result(cell, name + GRAPH, is_peer, unit=unit)
+                try:
+                    g.ms, g.reps = timer.time_ms(cuda_graph_replay(runner.fn))
+                    g.rate = amount / (g.ms * 1e-3) / 1e12
+                except Exception as e:  # e.g. a peer that cannot be captured
+                    g.status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                    torch.cuda.synchronize()
+                emit(g)
         del inp
         if cuda:
             torch.cuda.empty_cache()
@@ -642,14 +678,16 @@ def table_header(peers: Sequence[str]) -> str:
 
 
 def format_row(r: Result, peers: Sequence[str], cell_results: Sequence[Result]) -> str:
-    """One line: time, rate, speed ratio to each peer of the same cell (peer ms / ms)."""
+    """One line: time, rate, speed ratio to each peer of the same cell (peer ms / ms); a graph
+    replay row is compared with the peers' graph replays."""
     peer_ms = {x.impl: x.ms for x in cell_results if x.peer and x.status == "ok"}
+    suffix = GRAPH if r.impl.endswith(GRAPH) else ""
     ratios = []
     for p in peers:
-        if r.peer or r.status != "ok" or peer_ms.get(p) is None:
+        if r.peer or r.status != "ok" or peer_ms.get(p + suffix) is None:
             ratios.append(f"{'':>9s}")
         else:
-            ratios.append(f"{peer_ms[p] / r.ms:8.2f}x")
+            ratios.append(f"{peer_ms[p + suffix] / r.ms:8.2f}x")
     ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9s}"
     rate = f"{r.rate:8.1f}" if r.rate is not None else f"{'-':>8s}"
     diff = f"{r.maxdiff:8.1e}" if r.maxdiff is not None else f"{'':>8s}"

@@ -31,7 +31,7 @@ def test_module_cli_exit_code_without_cuda():
 def test_list_matrix(capsys):
     assert bench.main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert "138 cells" in out
+    assert "144 cells" in out
     assert bench.main(["--list", "--quick", "--kind", "decode"]) == 0
     assert "2 cells" in capsys.readouterr().out
     with pytest.raises(SystemExit):
@@ -50,7 +50,7 @@ def test_standard_matrix_shape():
         assert c.batch * c.seqlen_q == 16384 and c.heads_q * c.head_dim == 2048
     assert {c.kind for c in cells} == set(bench.KINDS)
     dec = [c for c in cells if c.kind == "decode"]
-    assert {c.seqlen_k for c in dec} == {8192, 32768, 131072} and {c.batch for c in dec} == {1, 8, 64}
+    assert {c.seqlen_k for c in dec} == {8192, 16384, 32768, 65536, 131072} and {c.batch for c in dec} == {1, 8, 64}
     assert all(c.seqlen_q == 1 for c in dec)
     filt = bench.filter_cells(cells, head_dims=[128], seqlens=[16384], causal=True)
     assert filt and all(c.head_dim == 128 and c.causal for c in filt if c.kind != "decode")

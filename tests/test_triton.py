@@ -169,3 +169,50 @@ def test_gpu_decode_page_offsets_past_2_31():
     assert torch.equal(kc[last, ps - 2:], kn[0])  # appended into the last page, past 2**31 elements
     del kc, vc
     torch.cuda.empty_cache()
+
+
+def test_decode_split_count_fills_whole_waves():
+    from dualattn.reference.triton.decode import MAX_SPLITS, choose_num_splits
+    # H100/H200 with two programs per SM: 264 slots. batch 8 x 8 KV heads at 8k (128 blocks of
+    # 64 keys): 4 splits fill one wave; 9 (the old choice) need three waves of 15-block programs.
+    assert choose_num_splits(64, 128, 264) == 4
+    assert choose_num_splits(64, 512, 264) == 4
+    # batch 64: 512 items are already two waves; splitting adds waves and combine work
+    assert choose_num_splits(512, 128, 264) == 1
+    # one item: as many splits as slots allow, but never more than blocks or MAX_SPLITS
+    assert choose_num_splits(1, 3, 264) == 3
+    assert choose_num_splits(1, 10_000, 264) == MAX_SPLITS
+    assert choose_num_splits(8, 0, 264) == 1  # an empty cache
+    for units, blocks, slots in ((3, 97, 7), (64, 128, 132), (17, 1000, 264), (600, 40, 264)):
+        s = choose_num_splits(units, blocks, slots)
+        assert 1 <= s <= min(blocks, MAX_SPLITS)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("batch,cache", [(8, 8192), (64, 2048), (1, 4096)])
+def test_gpu_decode_bench_shapes_eager_and_graph(batch, cache):
+    """The benchmark's decode shape (GQA 32/8, hd128, bf16, full caches) against the oracle, with
+    the split count the plan picks (one split writes the output directly; several go through the
+    combine); a CUDA-graph replay of the same call is bitwise equal to the eager call."""
+    from dualattn import spec as S
+    from dualattn.reference.triton import decode
+    impl = _impl()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(batch, cache, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    lens = torch.full((batch,), cache, dtype=torch.int32, device="cuda")
+    lens[0] = cache - 77  # one partial last block
+    call = S.build_kvcache(q, k, v, cache_seqlens=lens, return_lse=True)
+    out, lse = impl.forward(call)
+    torch.cuda.synchronize()
+    _check(call, out, lse, (), None)
+    plan = decode.decode_plan(call)
+    print(f"b{batch} cache {cache}: {plan.num_splits} splits, {plan.slots} resident programs, tile {plan.tile}")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout, glse = impl.forward(call)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(gout, out) and torch.equal(glse, lse)

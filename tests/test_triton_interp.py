@@ -112,3 +112,33 @@ def test_can_implement_refuses_odd_block_size_and_page_size():
     assert IMPL.can_implement(replace(spec, block_size=(48, 80))) is None  # tiles of 16 divide them
     kspec = replace(spec, mode="kvcache", paged=True, page_size=8, needs_grad=False)
     assert "page size" in IMPL.can_implement(kspec)
+
+
+def test_decode_split_counts_agree_and_single_split_writes_output_directly():
+    # one split (the kernel writes out/LSE itself, no combine) and several (workspace + combine)
+    # both meet the accuracy rule; a repeated call is bitwise identical and reuses its plan
+    from dataclasses import replace
+    from dualattn.reference.triton import decode
+    case = next(c for c in CASES if c.name == "kvcache window softcap splits")
+    base = make_call(case, "cpu", torch.float16, large=False)
+    for splits in (1, 2, 7):
+        call = base.with_tensors(k=base.k.clone(), v=base.v.clone())
+        call.spec = replace(base.spec, num_splits=splits)
+        plan = decode.decode_plan(call)
+        assert plan.num_splits == splits and plan.grid[0] == splits
+        out, lse, _ = run_and_check(call, False)
+        again = IMPL.forward(base.with_tensors(k=base.k.clone(), v=base.v.clone(), spec=call.spec))
+        assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+        assert decode.decode_plan(call) is plan
+
+
+def test_decode_auto_split_count_from_the_plan():
+    from dualattn.reference.triton import decode
+    case = next(c for c in CASES if c.name == "kvcache hd 128, mqa")
+    call = make_call(case, "cpu", torch.float16, large=False)
+    plan = decode.decode_plan(call)
+    spec = call.spec
+    units = spec.batch * spec.num_heads_kv * plan.grid[2]
+    want = decode.choose_num_splits(units, -(-spec.seqlen_k // plan.tile.block_n), plan.slots)
+    assert plan.num_splits == want and plan.grid == (want, spec.batch * spec.num_heads_kv, 1)
+    run_and_check(call, False)

@@ -6,7 +6,15 @@
    token r // gqa of query head hk * gqa + r % gqa), so one program reads each key block once for
    the whole group. The visible key blocks of a batch entry are cut into ``num_splits`` chunks,
    one per program; each writes its normalised partial output and LSE to a workspace.
-3. ``_decode_combine`` merges the splits: out = sum_s exp(lse_s - lse) * out_s.
+3. ``_decode_combine`` merges the splits: out = sum_s exp(lse_s - lse) * out_s. With one split
+   there is nothing to merge: the split kernel writes the output and LSE directly.
+
+The split count fills the GPU in whole waves (``choose_num_splits``): decode reads every key once,
+so its speed is the memory bandwidth of the programs in flight, and a last wave that is mostly
+empty (say 576 programs on 264 resident slots) leaves it idle. The count follows from the
+cache capacity, not the live lengths, so choosing it needs no synchronisation. It is part of a
+plan made once per spec and GPU (tile, compiled kernel, occupancy, grid), so a call's host work
+is the outputs, the workspace and two launches.
 
 Everything data-dependent (cache lengths, pages) is read on the device: no host synchronisation,
 and the only allocations are the outputs and a workspace whose size follows from the spec, so a
@@ -14,15 +22,19 @@ call can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
-import functools
+import os
+from dataclasses import dataclass
+from typing import Dict, Tuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
-from .common import _block_range, _masked_block, next_pow2
+from .common import KERNELS_INTERPRETED, _block_range, _masked_block, next_pow2
+from .configs import Tile, tile_for
 from .forward import _attn_fwd_block
-from .launch import Launch
+from .launch import head_constexprs, score_args, window_args
 
 
 @triton.jit
@@ -63,7 +75,7 @@ def _kv_tile(k_head, v_head, PageTable, b, n0, sk_b, sk_s, sv_b, sv_s, spt_b, pa
         return k_head + bb * sk_b + n0 * sk_s, v_head + bb * sv_b + n0 * sv_s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel whatever the split count
 def _decode_split(Q, K, V, OPart, LPart, CacheSeqlens, PageTable,
                   sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, spt_b,
                   so_s, so_b, so_h, so_t, sl_s, sl_b, sl_h,
@@ -76,8 +88,9 @@ def _decode_split(Q, K, V, OPart, LPart, CacheSeqlens, PageTable,
     """One split of one (batch, KV head, packed-row tile).
     Grid: (num_splits, batch * num_heads_kv, cdiv(seqlen_q * gqa, BLOCK_M)).
 
-    Writes OPart[split, b, h, t, :] (normalised, fp32) and LPart[split, b, h, t] (natural log;
-    -inf when the split saw no key). A paged cache maps key block n0 to page
+    Writes OPart[split, b, h, t, :] (normalised) and LPart[split, b, h, t] (natural log; -inf
+    when the split saw no key). With one split the host passes the output and LSE themselves
+    (split stride 0), so the stored value is cast to OPart's element type. A paged cache maps key block n0 to page
     PageTable[b, n0 // page_size]; BLOCK_N divides page_size, so a block never straddles pages.
     """
     pid_s = tl.program_id(0)
@@ -134,7 +147,7 @@ def _decode_split(Q, K, V, OPart, LPart, CacheSeqlens, PageTable,
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_ptrs = OPart + pid_s * so_s + b * so_b + h[:, None] * so_h + tok[:, None] * so_t + offs_dv[None, :]
-    tl.store(o_ptrs, out, mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DV))
+    tl.store(o_ptrs, out.to(OPart.dtype.element_ty), mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DV))
     tl.store(LPart + pid_s * sl_s + b * sl_b + h * sl_h + tok, lse, mask=row_in)
 
 
@@ -167,39 +180,140 @@ def _decode_combine(OPart, LPart, Out, Lse, so_s, sl_s, sout_b, sout_t, sout_h, 
     tl.store(Lse + row, lse)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+# ---------------------------------------------------------------------------------------------
+# host side: a plan per (spec, GPU), then a lean per-call path
+# ---------------------------------------------------------------------------------------------
+
+# A split's fixed cost (query load, pipeline fill, partial write and its share of the combine),
+# in units of the time one program takes for one key block when every slot is busy.
+SPLIT_OVERHEAD_BLOCKS = 2
+MAX_SPLITS = 64
 
 
-def choose_num_splits(spec, block_n: int, block_m: int, device) -> int:
-    """Static choice from the spec (capacity, not the live lengths, so it needs no sync):
-    about four programs per SM (small tail wave), at least 4 key blocks per split, at most 64."""
-    if spec.num_splits > 0:
-        return spec.num_splits
-    sms = 4 if device.type != "cuda" else _num_sms(device.index or 0)
-    work = spec.batch * spec.num_heads_kv * triton.cdiv(spec.seqlen_q * spec.gqa_ratio, block_m)
-    kv_blocks = triton.cdiv(spec.seqlen_k, block_n)
-    return max(1, min(triton.cdiv(4 * sms, max(work, 1)), triton.cdiv(kv_blocks, 4), 64))
+def choose_num_splits(units: int, kv_blocks: int, slots: int) -> int:
+    """How many splits to cut each of ``units`` work items (batch x KV head x row tile, each
+    ``kv_blocks`` key blocks long) into, on a GPU that keeps ``slots`` programs resident.
+
+    Programs run in waves of ``slots``, and a wave lasts as long as its programs, each
+    (blocks per split + SPLIT_OVERHEAD_BLOCKS) long. Minimise waves x that length; on a tie take
+    fewer splits (less combine work). E.g. 64 items of 128 blocks on 264 slots: 4 splits fill one
+    wave (34), where 9 splits would need three waves of 15+2 (51).
+    """
+    best, best_cost = 1, None
+    for s in range(1, max(1, min(kv_blocks, MAX_SPLITS)) + 1):
+        cost = triton.cdiv(units * s, slots) * (triton.cdiv(kv_blocks, s) + SPLIT_OVERHEAD_BLOCKS)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+@dataclass
+class DecodePlan:
+    """Everything a decode call needs besides its tensors. It follows from the spec and the GPU,
+    so it is made once per (spec, device, tile override) and kept (see ``decode_plan``)."""
+    tile: Tile
+    num_splits: int
+    grid: Tuple[int, int, int]   # of _decode_split
+    slots: int                   # programs of _decode_split resident on the whole GPU
+    qk_scale: float
+    softcap: float
+    win_left: int
+    win_right: int
+    constexprs: dict             # of _decode_split (those of _append_kv / _decode_combine are a subset)
+
+
+_PLANS: Dict[tuple, DecodePlan] = {}
+
+
+def _resident_programs(call, tile: Tile, split_args: tuple, constexprs: dict) -> int:
+    """Programs of _decode_split that fit on the whole GPU at once: SMs x min(by registers, by
+    shared memory, by warps), read from the compiled kernel (as Triton's fused-softmax tutorial
+    does). Compiling here also means the first call's launch finds the kernel ready."""
+    if KERNELS_INTERPRETED:
+        return 4  # the interpreter runs programs one after another; any small number will do
+    props = driver.active.utils.get_device_properties(call.q.device.index or 0)
+    kernel = _decode_split.warmup(*split_args, grid=(1,), **constexprs, num_warps=tile.num_warps,
+                                  num_stages=tile.num_stages)
+    kernel._init_handles()
+    warps = tile.num_warps
+    by_regs = props["max_num_regs"] // max(kernel.n_regs * props["warpSize"] * warps, 1)
+    by_smem = props["max_shared_mem"] // max(kernel.metadata.shared, 1)
+    per_sm = max(1, min(by_regs, by_smem, 64 // warps))
+    return per_sm * props["multiprocessor_count"]
+
+
+def decode_plan(call) -> DecodePlan:
+    """The cached plan of this call's spec (made on first use: tile, compiled kernel, splits)."""
+    spec = call.spec
+    env = os.environ.get("DUALATTN_TRITON_TILE_DECODE")
+    key = (spec, call.q.device, env)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _make_plan(call)
+    return plan
+
+
+def _make_plan(call) -> DecodePlan:
+    spec = call.spec
+    tile = tile_for("decode", max(spec.head_dim, spec.head_dim_v), spec.dtype, page_size=spec.page_size,
+                    packed_rows=spec.seqlen_q * spec.gqa_ratio)
+    qk_scale, softcap = score_args(spec)
+    has_left, has_right, win_left, win_right = window_args(spec)
+    cx = dict(head_constexprs(spec), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, PAGED=spec.paged,
+              HAS_LEFT=has_left, HAS_RIGHT=has_right)
+    plan = DecodePlan(tile, 1, (1, 1, 1), 1, qk_scale, softcap, win_left, win_right, cx)
+    row_tiles = triton.cdiv(spec.seqlen_q * spec.gqa_ratio, tile.block_m)
+    if spec.batch * spec.seqlen_q * spec.num_heads_q == 0:
+        return plan
+    # the workspace with 0 splits: the dtype and strides of the real one, which is what compiling needs
+    B, Sq, Hq, Dv = spec.batch, spec.seqlen_q, spec.num_heads_q, spec.head_dim_v
+    ws_o = call.q.new_empty((0, B, Hq, Sq, Dv), dtype=torch.float32)
+    ws_l = call.q.new_empty((0, B, Hq, Sq), dtype=torch.float32)
+    plan.slots = _resident_programs(call, tile, _split_args(call, plan, ws_o, ws_l), cx)
+    units = spec.batch * spec.num_heads_kv * row_tiles
+    plan.num_splits = spec.num_splits or choose_num_splits(units, triton.cdiv(spec.seqlen_k, tile.block_n),
+                                                           plan.slots)
+    plan.grid = (plan.num_splits, spec.batch * spec.num_heads_kv, row_tiles)
+    return plan
+
+
+def _split_args(call, plan: DecodePlan, o_part, l_part) -> tuple:
+    """Runtime arguments of _decode_split. o_part is (splits, B, Hq, Sq, Dv) and l_part
+    (splits, B, Hq, Sq), or, with one split, the output (B, Sq, Hq, Dv) and LSE (B, Hq, Sq)."""
+    spec, q, k, v = call.spec, call.q, call.k, call.v
+    paged = spec.paged
+    if o_part.dim() == 5:
+        so = o_part.stride()[:4]
+        sl = l_part.stride()[:3]
+    else:  # the output itself: no split index; its (b, t, h) strides into (s, b, h, t) order
+        so = (0, o_part.stride(0), o_part.stride(2), o_part.stride(1))
+        sl = (0, l_part.stride(0), l_part.stride(1))
+    return (q, k, v, o_part, l_part, call.cache_seqlens, call.page_table if paged else q,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], call.page_table.stride(0) if paged else 0,
+            *so, *sl, spec.seqlen_q, spec.num_new_kv, spec.num_heads_kv, spec.gqa_ratio, plan.num_splits,
+            max(spec.page_size, 1), plan.qk_scale, plan.softcap, plan.win_left, plan.win_right)
 
 
 def attention_decode(call):
-    """kv-cache call: append k_new/v_new in place, attend, return (out, lse (B, Hq, Sq))."""
+    """kv-cache call: append k_new/v_new in place, attend, return (out, lse (B, Hq, Sq)).
+
+    Per call: the cached plan, the outputs, a workspace of the plan's size, and one launch per
+    kernel (append only with new tokens; combine only with more than one split)."""
     spec = call.spec
-    L = Launch(call, "decode")
     k, v = call.k, call.v
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise NotImplementedError("triton decode: the kv cache needs a contiguous last dimension (it is written in place)")
-    q = L.q
-    cx = L.constexprs()
-    page_table = call.page_table if spec.paged else q
-    spt_b = call.page_table.stride(0) if spec.paged else 0
-    page_size = max(spec.page_size, 1)
+    if call.q.stride(-1) != 1:
+        call = call.with_tensors(q=call.q.contiguous())
+    q = call.q
+    plan = decode_plan(call)
+    cx = plan.constexprs
     if spec.num_new_kv and spec.batch:
         kn, vn = (t if t.stride(-1) == 1 else t.contiguous() for t in (call.k_new, call.v_new))
         _append_kv[(spec.batch * spec.num_new_kv, spec.num_heads_kv)](
-            kn, vn, k, v, call.cache_seqlens, page_table, *kn.stride()[:3], *vn.stride()[:3],
-            *k.stride()[:3], *v.stride()[:3], spt_b, spec.num_new_kv, page_size,
+            kn, vn, k, v, call.cache_seqlens, call.page_table if spec.paged else q,
+            *kn.stride()[:3], *vn.stride()[:3], *k.stride()[:3], *v.stride()[:3],
+            call.page_table.stride(0) if spec.paged else 0, spec.num_new_kv, max(spec.page_size, 1),
             BLOCK_D=cx["BLOCK_D"], BLOCK_DV=cx["BLOCK_DV"], HEAD_D=spec.head_dim, HEAD_DV=spec.head_dim_v,
             PAGED=spec.paged)
 
@@ -208,23 +322,16 @@ def attention_decode(call):
     lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    cfg = L.cfg
-    splits = choose_num_splits(spec, cfg.block_n, cfg.block_m, q.device)
-    o_part = torch.empty(splits, B, Hq, Sq, Dv, dtype=torch.float32, device=q.device)
-    l_part = torch.empty(splits, B, Hq, Sq, dtype=torch.float32, device=q.device)
-    grid = (splits, B * spec.num_heads_kv, triton.cdiv(Sq * spec.gqa_ratio, cfg.block_m))
-    _decode_split[grid](
-        q, k, v, o_part, l_part, call.cache_seqlens, page_table,
-        *L.qkv_strides(q), *k.stride()[:3], *v.stride()[:3], spt_b,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), o_part.stride(3),
-        l_part.stride(0), l_part.stride(1), l_part.stride(2),
-        Sq, spec.num_new_kv, spec.num_heads_kv, spec.gqa_ratio, splits, page_size,
-        L.qk_scale, L.softcap, L.win_left, L.win_right,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=cx["BLOCK_D"], BLOCK_DV=cx["BLOCK_DV"],
-        HEAD_D=spec.head_dim, HEAD_DV=Dv, PAGED=spec.paged, HAS_LEFT=L.has_left, HAS_RIGHT=L.has_right,
-        SOFTCAP=cx["SOFTCAP"], DOT_FP32=cx["DOT_FP32"], IEEE=cx["IEEE"],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _decode_combine[(B * Hq * Sq,)](
-        o_part, l_part, out, lse, o_part.stride(0), l_part.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        splits, Sq, Hq, BLOCK_S=next_pow2(splits), BLOCK_DV=cx["BLOCK_DV"], HEAD_DV=Dv)
+    splits = plan.num_splits
+    if splits == 1:  # the one split's normalised output is the answer: no workspace, no combine
+        o_part, l_part = out, lse
+    else:
+        o_part = torch.empty(splits, B, Hq, Sq, Dv, dtype=torch.float32, device=q.device)
+        l_part = torch.empty(splits, B, Hq, Sq, dtype=torch.float32, device=q.device)
+    _decode_split[plan.grid](*_split_args(call, plan, o_part, l_part), **cx,
+                             num_warps=plan.tile.num_warps, num_stages=plan.tile.num_stages)
+    if splits > 1:
+        _decode_combine[(B * Hq * Sq,)](
+            o_part, l_part, out, lse, o_part.stride(0), l_part.stride(0), out.stride(0), out.stride(1),
+            out.stride(2), splits, Sq, Hq, BLOCK_S=next_pow2(splits), BLOCK_DV=cx["BLOCK_DV"], HEAD_DV=Dv)
     return out, lse

@@ -24,6 +24,32 @@ def _bh_strides(t: torch.Tensor) -> Tuple[int, int]:
     return tuple(0 if t.shape[i] == 1 else t.stride(i) for i in (0, 1))
 
 
+def score_args(spec) -> Tuple[float, float]:
+    """(qk_scale, softcap): scores are s2 = qk * qk_scale (log2 domain), or
+    cap * tanh(qk * qk_scale) * log2(e) with a softcap."""
+    softcap = float(spec.softcap)
+    return (spec.scale / softcap if softcap > 0 else spec.scale * LOG2E), softcap
+
+
+def window_args(spec) -> Tuple[bool, bool, int, int]:
+    """(has_left, has_right, win_left, win_right): causal is the window (left, 0); -1 entries
+    are unbounded and switched off by constexpr."""
+    left, right = spec.window
+    if spec.causal:
+        right = 0 if right < 0 else min(right, 0)
+    return left >= 0, right >= 0, max(left, 0), max(right, 0)
+
+
+def head_constexprs(spec) -> dict:
+    """Head-dim tiles and the dtype switches, shared by every kernel."""
+    return dict(
+        BLOCK_D=next_pow2(max(spec.head_dim, 16)), BLOCK_DV=next_pow2(max(spec.head_dim_v, 16)),
+        HEAD_D=spec.head_dim, HEAD_DV=spec.head_dim_v, SOFTCAP=spec.softcap > 0,
+        # the interpreter's tl.dot is wrong on bf16: upcast there
+        DOT_FP32=KERNELS_INTERPRETED and spec.dtype == torch.bfloat16,
+        IEEE=spec.dtype == torch.float32)
+
+
 class Launch:
     """Everything a launcher passes besides its own outputs, derived once from the call."""
 
@@ -45,15 +71,8 @@ class Launch:
             self.kr_strides = (*_bh_strides(kr), kr.stride(2), kr.stride(3))
         else:
             self.kr, self.kr_strides = dummy, (0, 0, 0, 0)
-        # scores: s2 = qk * qk_scale (log2 domain), or cap * tanh(qk * qk_scale) * log2(e)
-        self.softcap = float(spec.softcap)
-        self.qk_scale = spec.scale / spec.softcap if spec.softcap > 0 else spec.scale * LOG2E
-        # causal is the window (left, 0); -1 entries are unbounded and switched off by constexpr
-        left, right = spec.window
-        if spec.causal:
-            right = 0 if right < 0 else min(right, 0)
-        self.has_left, self.has_right = left >= 0, right >= 0
-        self.win_left, self.win_right = max(left, 0), max(right, 0)
+        self.qk_scale, self.softcap = score_args(spec)
+        self.has_left, self.has_right, self.win_left, self.win_right = window_args(spec)
         bs = call.block_sparse
         self.bs = bs.to(self.q.device) if bs is not None and bs.device != self.q.device else bs
         self.cfg = tile_for(kernel, max(spec.head_dim, spec.head_dim_v), spec.dtype,
@@ -78,12 +97,7 @@ class Launch:
     def constexprs(self) -> dict:
         spec = self.spec
         return dict(
-            BLOCK_D=next_pow2(max(spec.head_dim, 16)), BLOCK_DV=next_pow2(max(spec.head_dim_v, 16)),
-            HEAD_D=spec.head_dim, HEAD_DV=spec.head_dim_v,
+            head_constexprs(spec),
             IS_VARLEN=self.varlen, HAS_LEFT=self.has_left, HAS_RIGHT=self.has_right,
             NUM_KR=spec.num_key_ranges, HAS_BS=self.bs is not None,
-            BS_M=self.bs.block_m if self.bs is not None else 1, BS_N=self.bs.block_n if self.bs is not None else 1,
-            SOFTCAP=spec.softcap > 0,
-            # the interpreter's tl.dot is wrong on bf16: upcast there
-            DOT_FP32=KERNELS_INTERPRETED and spec.dtype == torch.bfloat16,
-            IEEE=spec.dtype == torch.float32)
+            BS_M=self.bs.block_m if self.bs is not None else 1, BS_N=self.bs.block_n if self.bs is not None else 1)
