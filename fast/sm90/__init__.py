@@ -1,7 +1,8 @@
 """Hopper (SM90) fast kernels; registers "fast-sm90" (forward) with dualattn.dispatch.
 
-``FastSm90Forward`` serves dense batched forward calls on sm_90: bf16/fp16, head dims 64, 96, 128,
-192, 256 (D == Dv), GQA/MQA, bottom-right causal, sliding windows, softcap, any sequence lengths.
+``FastSm90Forward`` serves batched and varlen forward calls on sm_90: bf16/fp16, head dims 64, 96, 128,
+192, 256 (D == Dv) and (192, 128), GQA/MQA, bottom-right causal, sliding windows, softcap, key
+ranges (R <= 4), block-sparse CSR, any sequence lengths (see README.md).
 Everything else is refused in ``can_implement`` with the reason, so impl="auto" falls back.
 
 Compile cache: one compiled kernel per ``compile_key(spec)`` = (kernel name, dtype, D, Dv, causal,
