@@ -32,8 +32,13 @@ def _compiling() -> bool:
         return False
 
 
-def _needs_grad(*ts) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+def _needs_grad(q, k, v) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    try:
+        return bool(q.requires_grad or k.requires_grad or v.requires_grad)
+    except AttributeError:  # not tensors: build_dense/build_varlen raise the TypeError that says so
+        return False
 
 
 def run_call(call, impl: str):
@@ -63,8 +68,7 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None
                              return_lse=return_lse, impl=impl)
     call = spec_mod.build_dense(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale,
                                 key_ranges=key_ranges, block_sparse=block_sparse, deterministic=deterministic,
-                                return_lse=return_lse)
-    call.spec = _with_grad(call.spec, q, k, v)
+                                return_lse=return_lse, needs_grad=_needs_grad(q, k, v))
     out, lse = run_call(call, impl)
     return (out, lse) if return_lse else out
 
@@ -84,8 +88,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                     impl=impl)
     call = spec_mod.build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                  window=window, softcap=softcap, scale=scale, key_ranges=key_ranges,
-                                 block_sparse=block_sparse, deterministic=deterministic, return_lse=return_lse)
-    call.spec = _with_grad(call.spec, q, k, v)
+                                 block_sparse=block_sparse, deterministic=deterministic, return_lse=return_lse,
+                                 needs_grad=_needs_grad(q, k, v))
     out, lse = run_call(call, impl)
     return (out, lse) if return_lse else out
 
@@ -112,9 +116,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=Non
     return (out, lse) if return_lse else out
 
 
-def _with_grad(spec, *ts):
+def _with_grad(spec, q, k, v):
     from dataclasses import replace
-    return replace(spec, needs_grad=_needs_grad(*ts))
+    return replace(spec, needs_grad=_needs_grad(q, k, v))
 
 
 def explain(q, k, v, *, varlen=None, kvcache=None, **kw) -> str:

@@ -44,6 +44,7 @@ def register(impl) -> object:
         raise ValueError(f"unknown implementation family {fam!r}")
     if all(x.name != impl.name for x in _REGISTRY[fam]):
         _REGISTRY[fam].append(impl)
+        _SELECT_MEMO.clear()
     return impl
 
 
@@ -90,8 +91,29 @@ def family_reasons(spec, family: str) -> Tuple[Optional[object], List[str]]:
     return None, reasons
 
 
+# select()'s answers per (spec, impl): can_implement / auto_skip depend only on the spec and the
+# machine, so a repeated call skips them. An entry remembers the registry lists it was made with
+# (register() clears the memo; tests that swap a family's list get fresh answers).
+_SELECT_MEMO: Dict[tuple, tuple] = {}
+_SELECT_MEMO_MAX = 4096
+
+
 def select(spec, impl: str = "auto"):
     """Return the implementation object for ``impl``; raise NotImplementedError when it cannot serve."""
+    key = (spec, impl)
+    hit = _SELECT_MEMO.get(key)
+    reg = _REGISTRY
+    if (hit is not None and hit[0] is reg["fast"] and hit[1] is reg["triton"] and hit[2] is reg["torch"]
+            and _LOADED):
+        return hit[3]
+    chosen = _select(spec, impl)
+    if len(_SELECT_MEMO) >= _SELECT_MEMO_MAX:  # specs carry shapes: keep it bounded
+        _SELECT_MEMO.clear()
+    _SELECT_MEMO[key] = (reg["fast"], reg["triton"], reg["torch"], chosen)
+    return chosen
+
+
+def _select(spec, impl: str):
     if impl not in ("auto",) + FAMILIES:
         # an implementation's own name (e.g. "fast-sm120-train"): used by repro files and tests
         # to replay exactly the kernel that failed

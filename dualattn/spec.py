@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Tuple
 
 import torch
@@ -73,6 +73,18 @@ class AttentionSpec:
     # autograd will ask for dQ, dK, dV (set by the public API from requires_grad)
     needs_grad: bool = False
 
+    def __hash__(self) -> int:
+        # a spec keys several per-call lookups (dispatch, kernel entries): hash its fields once
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple([getattr(self, n) for n in _SPEC_FIELDS]))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self):
+        # str hashes differ between processes: never carry the cached one along
+        return {n: v for n, v in self.__dict__.items() if n != "_hash"}
+
     @property
     def gqa_ratio(self) -> int:
         return self.num_heads_q // self.num_heads_kv
@@ -127,6 +139,9 @@ class AttentionSpec:
                  str(self.dtype).replace("torch.", "")]
         parts += sorted(x for x in self.features() if ":" not in x and x != self.mode)
         return " ".join(parts)
+
+
+_SPEC_FIELDS = tuple(f.name for f in fields(AttentionSpec))
 
 
 @dataclass
@@ -281,8 +296,31 @@ def _check_block_sparse(bs, batch: int, hq: int, sq: int, sk: int, device, exact
 # builders
 # --------------------------------------------------------------------------------------------
 
+# Specs of dense calls already validated, keyed by everything the checks read (shapes, dtypes,
+# devices, the scalar arguments and their types): the checks are a pure function of these, so a
+# repeated call skips them and reuses the spec (host overhead of a cached kernel call). Calls
+# with key_ranges / block_sparse carry values to check and always take the full path.
+_DENSE_MEMO: dict = {}
+_DENSE_MEMO_MAX = 1024
+_Tensor = torch.Tensor
+
+
 def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, key_ranges=None,
-                block_sparse=None, deterministic=False, return_lse=False) -> AttentionCall:
+                block_sparse=None, deterministic=False, return_lse=False, needs_grad=False) -> AttentionCall:
+    memo_key = None
+    if (key_ranges is None and block_sparse is None and q.__class__ is _Tensor and k.__class__ is _Tensor
+            and v.__class__ is _Tensor and window.__class__ is tuple and len(window) == 2):
+        # the classes of causal and the window entries are in the key: True == 1 and 1 == 1.0 hash
+        # alike, but the checks accept only bool / int there
+        memo_key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                    causal.__class__, causal, window, window[0].__class__, window[1].__class__, softcap,
+                    scale, deterministic, return_lse, needs_grad)
+        try:
+            spec = _DENSE_MEMO.get(memo_key)
+        except TypeError:  # an unhashable argument: the full checks say what is wrong with it
+            spec, memo_key = None, None
+        if spec is not None:
+            return AttentionCall(spec, q, k, v)
     for n, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(n, t, 4)
     _check_qkv_dtypes_devices(q, k, v)
@@ -302,13 +340,18 @@ def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=No
     r = _check_key_ranges(key_ranges, B, Hq, Sq, Sk, False, q.device)
     bsz = _check_block_sparse(block_sparse, B, Hq, Sq, Sk, q.device, True)
     spec = AttentionSpec("batched", B, Sq, Sk, Hq, Hkv, D, Dv, q.dtype, q.device.type, causal, window,
-                         softcap, scale, r, bsz, bool(deterministic), bool(return_lse))
+                         softcap, scale, r, bsz, bool(deterministic), bool(return_lse),
+                         needs_grad=bool(needs_grad))
+    if memo_key is not None:
+        if len(_DENSE_MEMO) >= _DENSE_MEMO_MAX:  # keys hold shapes: keep it bounded
+            _DENSE_MEMO.clear()
+        _DENSE_MEMO[memo_key] = spec
     return AttentionCall(spec, q, k, v, key_ranges=key_ranges, block_sparse=block_sparse)
 
 
 def build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                  window=(-1, -1), softcap=0.0, scale=None, key_ranges=None, block_sparse=None,
-                 deterministic=False, return_lse=False) -> AttentionCall:
+                 deterministic=False, return_lse=False, needs_grad=False) -> AttentionCall:
     for n, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(n, t, 3)
     _check_qkv_dtypes_devices(q, k, v)
@@ -329,7 +372,7 @@ def build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     bsz = _check_block_sparse(block_sparse, B, Hq, max_seqlen_q, max_seqlen_k, q.device, False)
     spec = AttentionSpec("varlen", B, int(max_seqlen_q), int(max_seqlen_k), Hq, Hkv, D, Dv, q.dtype,
                          q.device.type, causal, window, softcap, scale, r, bsz, bool(deterministic),
-                         bool(return_lse))
+                         bool(return_lse), needs_grad=bool(needs_grad))
     return AttentionCall(spec, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                          key_ranges=key_ranges, block_sparse=block_sparse)
 

@@ -1,0 +1,182 @@
+"""The per-call host path: what a repeated call skips, and that skipping never hides bad input.
+
+A cached kernel call should cost little on the CPU (issue 5: < 15 us), so repeated calls reuse
+the validated spec (spec.build_dense), the dispatch decision (dispatch.select) and the packed
+launch struct (fast/common/launch_args.py). These tests check the reuse and its limits on CPU.
+"""
+from __future__ import annotations
+
+import pickle
+import threading
+
+import pytest
+import torch
+
+import dualattn
+from dualattn import dispatch
+from dualattn import spec as S
+
+
+def _qkv(dtype=torch.float16, sq=5, sk=7, hq=4, hkv=2, d=16):
+    q = torch.randn(1, sq, hq, d, dtype=dtype)
+    k = torch.randn(1, sk, hkv, d, dtype=dtype)
+    return q, k, torch.randn_like(k)
+
+
+def test_repeated_dense_call_reuses_the_validated_spec():
+    q, k, v = _qkv()
+    a = S.build_dense(q, k, v, causal=True, window=(3, 0), softcap=2.0, scale=0.5, return_lse=True)
+    b = S.build_dense(q, k, v, causal=True, window=(3, 0), softcap=2.0, scale=0.5, return_lse=True)
+    assert b.spec is a.spec and b.q is q and b.k is k and b.v is v
+    S._DENSE_MEMO.clear()
+    c = S.build_dense(q, k, v, causal=True, window=(3, 0), softcap=2.0, scale=0.5, return_lse=True)
+    assert c.spec == a.spec and c.spec is not a.spec
+    # any argument that changes the spec gives another one
+    assert S.build_dense(q, k, v, causal=False, window=(3, 0), softcap=2.0, scale=0.5).spec.causal is False
+    assert S.build_dense(q, k, v, causal=True, window=(3, 0), softcap=2.0, scale=0.5,
+                         needs_grad=True).spec.needs_grad
+    assert S.build_dense(q[:, :4], k, v).spec.seqlen_q == 4
+
+
+def test_repeated_call_skips_the_checks(monkeypatch):
+    q, k, v = _qkv()
+    S.build_dense(q, k, v, scale=0.25)
+
+    def boom(*a, **kw):
+        raise AssertionError("checks ran again")
+
+    monkeypatch.setattr(S, "_check_scalars", boom)
+    S.build_dense(q, k, v, scale=0.25)  # served from the memo
+    with pytest.raises(AssertionError, match="checks ran again"):
+        S.build_dense(q, k, v, scale=0.3)  # new arguments are checked
+
+
+@pytest.mark.parametrize("good,bad,err", [
+    (dict(causal=True), dict(causal=1), TypeError),
+    (dict(window=(1, 0)), dict(window=(True, 0)), TypeError),
+    (dict(window=(1, 0)), dict(window=(1.0, 0)), TypeError),
+    (dict(window=(1, 0)), dict(window=(-2, 0)), ValueError),
+    (dict(scale=1.0), dict(scale=-1.0), ValueError),
+    (dict(softcap=1.0), dict(softcap=float("nan")), ValueError),
+    (dict(softcap=1.0), dict(softcap=[1.0]), TypeError),
+])
+def test_memo_never_lets_bad_input_through(good, bad, err):
+    q, k, v = _qkv()
+    for _ in range(2):
+        S.build_dense(q, k, v, **good)
+        with pytest.raises(err):
+            S.build_dense(q, k, v, **bad)
+
+
+def test_memo_keys_on_tensors_dtype_device_and_shape():
+    q, k, v = _qkv()
+    S.build_dense(q, k, v)
+    with pytest.raises(TypeError, match="k: dtype"):
+        S.build_dense(q, k.bfloat16(), v)
+    with pytest.raises(ValueError, match="v: shape"):
+        S.build_dense(q, k, v[:, :3])
+    with pytest.raises(ValueError, match="multiple"):
+        S.build_dense(q[:, :, :3], k, v)
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
+        S.build_dense(q.numpy(), k, v)
+
+
+def test_spec_hash_is_cached_but_not_pickled():
+    q, k, v = _qkv()
+    spec = S.build_dense(q, k, v).spec
+    h = hash(spec)
+    assert hash(spec) == h and spec.__dict__.get("_hash") == h
+    back = pickle.loads(pickle.dumps(spec))
+    assert back == spec and "_hash" not in back.__dict__ and hash(back) == h
+    other = S.AttentionSpec(**{n: getattr(spec, n) for n in S._SPEC_FIELDS})
+    assert other == spec and hash(other) == h
+
+
+class _Recorder:
+    name = "recorder"
+    family = "torch"
+
+    def __init__(self):
+        self.specs = []
+
+    def can_implement(self, spec):
+        self.specs.append(spec)
+        return None
+
+    def forward(self, call):
+        self.specs.append(call.spec)
+        out = torch.zeros(call.q.shape[:3] + (call.v.shape[-1],), dtype=call.q.dtype)
+        return out, torch.zeros(call.q.shape[0], call.q.shape[2], call.q.shape[1])
+
+
+def test_api_sets_needs_grad_and_reuses_dispatch(monkeypatch):
+    dispatch._load()  # register the real implementations before the registry is swapped
+    rec = _Recorder()
+    monkeypatch.setitem(dispatch._REGISTRY, "torch", [rec])
+    q, k, v = _qkv(torch.float32)
+    dualattn.attention(q, k, v, impl="torch")
+    dualattn.attention(q, k, v, impl="torch")
+    # can_implement ran once (the second call reused the decision), forward twice
+    assert len(rec.specs) == 3 and not rec.specs[-1].needs_grad
+    with torch.no_grad():
+        dualattn.attention(q, k, v.requires_grad_(), impl="torch")
+    assert not rec.specs[-1].needs_grad
+    v.requires_grad_(False)
+    q.requires_grad_()
+    S._DENSE_MEMO.clear()
+    spec = S.build_dense(q, k, v, needs_grad=dualattn.api._needs_grad(q, k, v)).spec
+    assert spec.needs_grad
+
+
+def test_select_memo_follows_the_registry(monkeypatch):
+    dispatch._load()
+    q, k, v = _qkv(torch.float32)
+    spec = S.build_dense(q, k, v).spec
+    first = dispatch.select(spec, "torch")
+    assert dispatch.select(spec, "torch") is first
+    rec = _Recorder()
+    monkeypatch.setitem(dispatch._REGISTRY, "torch", [rec])
+    assert dispatch.select(spec, "torch") is rec  # a swapped family list is seen at once
+    monkeypatch.undo()
+    assert dispatch.select(spec, "torch") is first
+    n = len(dispatch._SELECT_MEMO)
+    assert n > 0
+    monkeypatch.setitem(dispatch._REGISTRY, "torch", list(dispatch._REGISTRY["torch"]))
+    dispatch.register(rec)  # registering clears every remembered decision
+    assert len(dispatch._SELECT_MEMO) == 0
+    assert dispatch.select(spec, "torch") is first  # registered after: first still wins
+
+
+# -- launch_args --------------------------------------------------------------------------------
+
+def _schema():
+    from dualattn.fast.common.launch_args import ArgSchema
+    return ArgSchema([("a", "i32"), ("b", "i64"), ("c", "f32"), ("d", "i32")])
+
+
+def test_pack_reuses_one_struct_per_thread():
+    pytest.importorskip("cutlass")
+    sch = _schema()
+    p1 = sch.pack(1, 2, 0.5, 3)
+    ptrs = [x.value for x in p1.__c_pointers__()]
+    s = p1.storage
+    assert (s.a, s.b, s.c, s.d) == (1, 2, 0.5, 3)
+    p2 = sch.pack(-4, 1 << 40, 1.5, 7)
+    assert [x.value for x in p2.__c_pointers__()] == ptrs  # same addresses, no per-call objects
+    assert (p2.storage.a, p2.storage.b, p2.storage.c, p2.storage.d) == (-4, 1 << 40, 1.5, 7)
+    with pytest.raises(RuntimeError, match="stale"):
+        p1.__c_pointers__()  # its values were overwritten: never launched silently
+    other = {}
+
+    def worker():
+        p = sch.pack(9, 9, 9.0, 9)
+        other["ptrs"] = [x.value for x in p.__c_pointers__()]
+        other["vals"] = (p.storage.a, p.storage.d)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert other["vals"] == (9, 9) and other["ptrs"] != ptrs  # threads never share a struct
+    assert p2.storage.a == -4 and p2.__c_pointers__()  # this thread's pack is untouched
+    offs = sch.offsets
+    assert [p - ptrs[0] for p in ptrs] == [o - offs[0] for o in offs]
