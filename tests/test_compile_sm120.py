@@ -110,7 +110,9 @@ def test_smem_formula_matches_compiled():
 
 # ---------------------------------------------------------------------------- backward (fast-sm120-train)
 # (arch, dtype, head_dim, varlen, causal, window, deterministic): both head dims (their tile configs
-# decide smem and registers), both dtypes, every flag of the backward compile key at least once
+# decide smem, registers and the pipeline schedule: hd64 double-buffers Q/dO, hd128 writes dS^T over
+# dO), both dtypes, every flag of the backward compile key at least once, sm_80 (scalar dQ atomics)
+# and sm_120 (vector dQ atomics)
 BWD_CONFIGS = [
     (120, torch.bfloat16, 64, False, True, (-1, -1), True),
     (120, torch.float16, 128, True, False, (64, 16), False),
@@ -120,11 +122,25 @@ BWD_CONFIGS = [
 ]
 
 
+def _bwd_id(c):
+    return (f"sm{c[0]}-{str(c[1])[6:]}-d{c[2]}{'-varlen' if c[3] else ''}{'-causal' if c[4] else ''}"
+            f"{'-win' if c[5] != (-1, -1) else ''}{'-det' if c[6] else ''}")
+
+
+def _check_cubin(fn, arch):
+    ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
+    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
+    e_flags = struct.unpack_from("<I", cubin, 0x30)[0]
+    assert arch in (e_flags & 0xFF, (e_flags >> 8) & 0xFF), hex(e_flags)
+    target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+    assert re.search(rf"\.target\s+{target}\b", ptx), "PTX not built for " + target
+    assert "wgmma" not in ptx and "tcgen05" not in ptx
+    return ptx
+
+
 @pytest.mark.compile_only
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=lambda c: (f"sm{c[0]}-{str(c[1])[6:]}-d{c[2]}{'-varlen' if c[3] else ''}"
-                                                            f"{'-causal' if c[4] else ''}{'-win' if c[5] != (-1, -1) else ''}"
-                                                            f"{'-det' if c[6] else ''}"))
+@pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=_bwd_id)
 def test_bwd_compiles(cfg):
     arch, dtype, d, varlen, causal, window, det = cfg
     from dataclasses import replace
@@ -136,20 +152,45 @@ def test_bwd_compiles(cfg):
     assert backward_reason(spec) is None
     with tempfile.TemporaryDirectory() as tmp:
         fn, kern = compile_uncached(compile_key(spec, arch), arch, f"--keep-ptx --keep-cubin --dump-dir {tmp}")
-        ptx, cubin = fn.artifacts.PTX, fn.artifacts.CUBIN
-    assert isinstance(cubin, bytes) and cubin[:4] == b"\x7fELF"
-    e_flags = struct.unpack_from("<I", cubin, 0x30)[0]
-    assert arch in (e_flags & 0xFF, (e_flags >> 8) & 0xFF), hex(e_flags)
-    target = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-    assert re.search(rf"\.target\s+{target}\b", ptx), "PTX not built for " + target
+        ptx = _check_cubin(fn, arch)
     assert len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)", ptx)) > 0
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], 16", ptx), "no 16-byte cp.async"
     assert "ldmatrix.sync.aligned" in ptx and ".trans" in ptx  # transposed operands (Q^T, dO^T, K^T, dS)
-    assert re.search(r"red\.(relaxed\.)?(gpu\.)?global\.add\.f32", ptx), "dQ is not accumulated by fp32 atomics"
+    # dQ by fp32 atomics: 8-byte vector reductions from sm_90 on, scalar ones on sm_80
+    vec = re.search(r"red\.(relaxed\.)?(gpu\.)?global\.(add\.)?v2\.f32(\.add)?", ptx)
+    scalar = re.search(r"red\.(relaxed\.)?(gpu\.)?global\.add\.f32", ptx)
+    assert (vec if arch >= 90 else scalar), "dQ is not accumulated by fp32 atomics"
     if det:  # the semaphore: acquire load to wait, release add to signal
         assert re.search(r"ld\.acquire\.gpu", ptx) and re.search(r"red\.release\.gpu", ptx)
-    assert "wgmma" not in ptx and "tcgen05" not in ptx
     static_smem = sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx))
     assert kern.smem_bytes + static_smem <= SMEM_LIMIT, (kern.smem_bytes, static_smem)
     # the formula that can_implement uses is the compiled struct (plus alignment padding only)
     assert 0 <= kern.smem_bytes - bwd_tile_config(d).smem_bytes(d) < 2048
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_bwd_smem_budget(d):
+    from dualattn.fast.sm120.bwd import SMEM_LIMIT_SM120, bwd_tile_config
+
+    cfg = bwd_tile_config(d)
+    # + 1 KB: the struct's alignment padding (checked against the compiled size above)
+    assert cfg.smem_bytes(d) + 1024 <= SMEM_LIMIT_SM120
+    assert not cfg.ds_in_do or cfg.tile_n == d
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch,dtype,d", [(120, torch.bfloat16, 128), (120, torch.float16, 64),
+                                          (80, torch.bfloat16, 64)])
+def test_bwd_preprocess_compiles(arch, dtype, d):
+    from dataclasses import replace
+
+    from dualattn.fast.sm120.bwd_impl import compile_preprocess_uncached, preprocess_key
+
+    spec = replace(_spec(dtype, d, False, False, (-1, -1), 0.0), needs_grad=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        fn, _ = compile_preprocess_uncached(preprocess_key(spec, arch), arch,
+                                            f"--keep-ptx --keep-cubin --dump-dir {tmp}")
+        ptx = _check_cubin(fn, arch)
+    assert re.search(r"ld\.global(\.nc)?\.v4", ptx), "O / dO rows are not read with 16-byte loads"
+    assert "shfl.sync.bfly" in ptx

@@ -27,6 +27,7 @@ memory-bound and done by torch on the host side (impl/bwd host code).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import cutlass
@@ -34,6 +35,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 
 from dualattn.fast.common.block_info import block_needs_mask, n_block_range
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
@@ -48,45 +51,77 @@ class BwdTileConfig:
     tile_n: int      # keys per CTA (16 per warp: warps split the key rows of S^T, dK, dV)
     num_threads: int
     dq_warps_m: int  # warp grid (dq_warps_m, warps / dq_warps_m) of the dQ = dS K product
+    stages: int = 1  # smem stages of Q, dO, LSE2, delta: 2 loads the next query block during this one
+    ds_in_do: bool = False  # dS^T is written over the dO stage just consumed (needs tile_n == head_dim)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
-        # Q, dO (tile_m x D), K, V (tile_n x D), dS^T (tile_n x tile_m), LSE2 and delta (fp32)
-        b = elem_bytes * (2 * self.tile_m * head_dim + 2 * self.tile_n * head_dim + self.tile_n * self.tile_m)
-        return b + 2 * 4 * self.tile_m
+        """Bytes of the kernel's shared-memory struct (tiles are 1024-byte aligned, rows 16)."""
+        def al(x, a):
+            return -(-x // a) * a
+        b = 2 * al(elem_bytes * self.stages * self.tile_m * head_dim, 1024)   # Q, dO
+        b += 2 * al(elem_bytes * self.tile_n * head_dim, 1024)                # K, V
+        if not self.ds_in_do:
+            b += al(elem_bytes * self.tile_n * self.tile_m, 1024)             # dS^T
+        return b + 2 * al(4 * self.stages * self.tile_m, 16)                  # LSE2, delta
 
 
-# Tile table. 8 warps, 128 keys per CTA (16 key rows per warp); the query step shrinks with the
-# head dim so that smem stays under 99 KB and registers (dK + dV accumulators: 2 * 16 * D / 32 fp32
-# per thread) stay under 255:
-#   hd 64 : 64 x 128: 64 KB smem; 64 fp32 dK/dV + 2 x 32 S/dP registers per thread.
-#   hd 128: 32 x 128: 88 KB smem (64 x 128 would need 112 KB); 128 fp32 dK/dV + 2 x 16 S/dP.
+# Tile table. 128 keys per CTA, 8 warps (16 key rows each): dK and dV stay in registers
+# (2 * 16 * D / 32 fp32 per thread), so the query step and the smem stages share what is left of
+# 99 KB after K and V:
+#   hd 64 : 64 x 128, Q/dO/LSE/delta double-buffered (the next query block loads during this
+#           one), dS^T in its own tile: 80 KB.
+#   hd 128: K + V take 64 KB. 64 x 128 single-buffered with dS^T written over the dO tile once
+#           dV is done (96 KB); dO of the next step loads while S^T = K Q^T runs, Q while dQ runs.
+#           (32 x 128 double-buffered also fits at 96 KB: half the work per barrier.)
+# DUALATTN_SM120_BWD_TILES="128:64,128,256,2,1,1;64:..." overrides entries by head dim (tuning).
 def bwd_tile_config(head_dim: int) -> BwdTileConfig:
+    for entry in os.environ.get("DUALATTN_SM120_BWD_TILES", "").split(";"):
+        if entry.strip():
+            hd, cfg = entry.split(":")
+            if int(hd) == head_dim:
+                v = [int(x) for x in cfg.split(",")]
+                return BwdTileConfig(v[0], v[1], v[2], v[3], v[4], bool(v[5]))
     if head_dim <= 64:
-        return BwdTileConfig(64, 128, 256, 4)
-    return BwdTileConfig(32, 128, 256, 2)
+        return BwdTileConfig(64, 128, 256, 4, 2, False)
+    return BwdTileConfig(64, 128, 256, 2, 1, True)
 
 
 SUPPORTED_HEAD_DIMS = (64, 128)
+
+
+def _staged_layout(dtype, rows: int, cols: int, stages: int):
+    """(rows, cols, stages) swizzled row-major tiles; a stage is one smem_layout_rowmajor tile."""
+    k_atom = 64 if cols % 64 == 0 else 32
+    bits = 3 if k_atom == 64 else 2
+    atom = cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0,
+                                     cute.make_layout((8, k_atom), stride=(k_atom, 1)))
+    return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2)), k_atom
 
 
 class FlashBwdSm80:
     """dK/dV (and dQ by atomics) kernel for one static configuration."""
 
     def __init__(self, dtype, head_dim: int, cfg: BwdTileConfig, *, varlen: bool, has_left: bool,
-                 has_right: bool, deterministic: bool):
+                 has_right: bool, deterministic: bool, vec_red: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.cfg = cfg
         self.tile_m, self.tile_n, self.num_threads = cfg.tile_m, cfg.tile_n, cfg.num_threads
+        self.stages = cfg.stages
+        self.ds_in_do = cfg.ds_in_do
         self.varlen = varlen
         self.has_left = has_left
         self.has_right = has_right
         self.deterministic = deterministic
+        self.vec_red = vec_red  # red.global.add.v2.f32 (sm_90+): half the dQ atomic requests
         warps = self.num_threads // 32
         assert self.tile_n == 16 * warps, "each warp owns 16 key rows"
         assert self.tile_m % (16 * cfg.dq_warps_m) == 0
         assert head_dim % (16 * (warps // cfg.dq_warps_m)) == 0
         assert head_dim % 64 == 0
+        assert self.stages in (1, 2)
+        # dS^T (tile_n x tile_m) fills a dO stage (tile_m x D) exactly, with the same stage stride
+        assert not self.ds_in_do or self.tile_n == head_dim
 
     @cute.jit
     def __call__(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pdO: cute.Pointer,
@@ -113,9 +148,11 @@ class FlashBwdSm80:
         mCuQ = cute.make_tensor(pCuQ, cute.make_layout(num_batch + 1))
         mCuK = cute.make_tensor(pCuK, cute.make_layout(num_batch + 1))
 
-        sq_layout, k_atom = smem_layout_rowmajor(self.dtype, self.tile_m, D)
+        S = self.stages
+        sq_layout, k_atom = _staged_layout(self.dtype, self.tile_m, D, S)
         sk_layout, _ = smem_layout_rowmajor(self.dtype, self.tile_n, D)
-        sds_layout, _ = smem_layout_rowmajor(self.dtype, self.tile_n, self.tile_m)
+        sds_layout, _ = _staged_layout(self.dtype, self.tile_n, self.tile_m, S if self.ds_in_do else 1)
+        ds_elems = 16 if self.ds_in_do else cute.cosize(sds_layout)  # aliased: a placeholder
 
         @cute.struct
         class Smem:
@@ -123,9 +160,9 @@ class FlashBwdSm80:
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sq_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sk_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sk_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sds_layout)], 1024]
-            lse: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m], 16]
-            delta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m], 16]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, ds_elems], 1024]
+            lse: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * S], 16]
+            delta: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * S], 16]
 
         self.smem_bytes = Smem.size_in_bytes()
         vec = 128 // self.dtype.width
@@ -162,6 +199,10 @@ class FlashBwdSm80:
                Smem: cutlass.Constexpr):
         D = self.head_dim
         tile_m, tile_n = self.tile_m, self.tile_n
+        S = self.stages
+        two_stage = self.stages == 2
+        # single stage with dS^T over dO: dO of a step can only load once the previous dQ read dS
+        do_at_top = self.stages == 1 and self.ds_in_do
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
         group = heads_q // heads_kv
@@ -176,18 +217,22 @@ class FlashBwdSm80:
 
             smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(Smem)
-            sQ = st.sQ.get_tensor(sq_layout)
+            sQ = st.sQ.get_tensor(sq_layout)      # (m, D, stage)
             sdO = st.sdO.get_tensor(sq_layout)
             sK = st.sK.get_tensor(sk_layout)
             sV = st.sV.get_tensor(sk_layout)
-            sdSt = st.sdS.get_tensor(sds_layout)
-            sLSE = st.lse.get_tensor(cute.make_layout(tile_m))
-            sDelta = st.delta.get_tensor(cute.make_layout(tile_m))
+            if cutlass.const_expr(self.ds_in_do):
+                sdSt = cute.make_tensor(sdO.iterator, sds_layout)  # (n, m, stage) over the dO stages
+            else:
+                sdSt = st.sdS.get_tensor(sds_layout)               # (n, m, 1)
+            sLSE = st.lse.get_tensor(cute.make_layout(tile_m * S))
+            sDelta = st.delta.get_tensor(cute.make_layout(tile_m * S))
+            SD = S if cutlass.const_expr(self.ds_in_do) else 1
             # transposed views (ldmatrix.trans reads them): Q^T, dO^T (D, m), K^T (D, n), dS (m, n)
-            sQt = cute.composition(sQ, cute.make_layout((D, tile_m), stride=(tile_m, 1)))
-            sdOt = cute.composition(sdO, cute.make_layout((D, tile_m), stride=(tile_m, 1)))
+            sQt = cute.composition(sQ, cute.make_layout((D, tile_m, S), stride=(tile_m, 1, tile_m * D)))
+            sdOt = cute.composition(sdO, cute.make_layout((D, tile_m, S), stride=(tile_m, 1, tile_m * D)))
             sKt = cute.composition(sK, cute.make_layout((D, tile_n), stride=(tile_n, 1)))
-            sdS = cute.composition(sdSt, cute.make_layout((tile_m, tile_n), stride=(tile_n, 1)))
+            sdS = cute.composition(sdSt, cute.make_layout((tile_m, tile_n, SD), stride=(tile_n, 1, tile_m * tile_n)))
 
             thr_g2s = g2s.get_slice(tidx)
             gK = cute.local_tile(cute.domain_offset((k_start, 0), mK[None, head_kv, None]), (tile_n, D), (n_block, 0))
@@ -196,10 +241,10 @@ class FlashBwdSm80:
             tKcK = thr_g2s.partition_S(cK)
             tKsK = thr_g2s.partition_D(sK)
             tVsV = thr_g2s.partition_D(sV)
-            tQsQ = thr_g2s.partition_D(sQ)
+            tQsQ = thr_g2s.partition_D(sQ)    # (CPY, M, K, stage)
             tQsdO = thr_g2s.partition_D(sdO)
 
-            # ---- MMA fragments and ldmatrix copies
+            # ---- MMA fragments and ldmatrix copies (smem partitions keep the stage mode last)
             thr_kv = mma_kv.get_slice(tidx)
             thr_q = mma_q.get_slice(tidx)
             ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
@@ -213,20 +258,20 @@ class FlashBwdSm80:
             # S^T = K Q^T and dP^T = V dO^T
             tSrK = thr_kv.make_fragment_A(thr_kv.partition_A(sK))
             tSrV = thr_kv.make_fragment_A(thr_kv.partition_A(sV))
-            tSrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQ))
-            tSrdO = thr_kv.make_fragment_B(thr_kv.partition_B(sdO))
+            tSrQ = thr_kv.make_fragment_B(thr_kv.partition_B(sQ[None, None, 0]))
+            tSrdO = thr_kv.make_fragment_B(thr_kv.partition_B(sdO[None, None, 0]))
             t_ld_a, t_ld_b, t_ld_bt = ld_a.get_slice(tidx), ld_b.get_slice(tidx), ld_bt.get_slice(tidx)
             tSsK, tSrK_v = t_ld_a.partition_S(sK), t_ld_a.retile(tSrK)
             tSsV, tSrV_v = t_ld_a.partition_S(sV), t_ld_a.retile(tSrV)
             tSsQ, tSrQ_v = t_ld_b.partition_S(sQ), t_ld_b.retile(tSrQ)
             tSsdO, tSrdO_v = t_ld_b.partition_S(sdO), t_ld_b.retile(tSrdO)
             # dV += P^T dO, dK += dS^T Q: B operands are dO^T and Q^T (D, m)
-            tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(sdOt))
-            tKrQt = thr_kv.make_fragment_B(thr_kv.partition_B(sQt))
+            tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(sdOt[None, None, 0]))
+            tKrQt = thr_kv.make_fragment_B(thr_kv.partition_B(sQt[None, None, 0]))
             tVsdOt, tVrdOt_v = t_ld_bt.partition_S(sdOt), t_ld_bt.retile(tVrdOt)
             tKsQt, tKrQt_v = t_ld_bt.partition_S(sQt), t_ld_bt.retile(tKrQt)
             # dQ = dS K: A = dS (m, n) and B = K^T (D, n), both transposed views
-            tQrdS = thr_q.make_fragment_A(thr_q.partition_A(sdS))
+            tQrdS = thr_q.make_fragment_A(thr_q.partition_A(sdS[None, None, 0]))
             tQrKt = thr_q.make_fragment_B(thr_q.partition_B(sKt))
             t_ld_qa, t_ld_qb = ld_qa_t.get_slice(tidx), ld_qb_t.get_slice(tidx)
             tQsdS, tQrdS_v = t_ld_qa.partition_S(sdS), t_ld_qa.retile(tQrdS)
@@ -239,31 +284,55 @@ class FlashBwdSm80:
             # (key, query) coordinates of this thread's S^T elements; (query, d) of its dQ elements
             tScS_mn = acc_mn_view(thr_kv.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
             tQcdQ = thr_q.partition_C(cute.make_identity_tensor((tile_m, D)))
-            r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), mma_kv)
+            # dS^T to smem two elements (4 bytes) at a time: the accumulator pairs adjacent queries
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
+                mma_kv)
             thr_r2s = r2s.get_slice(tidx)
-            tdSsdS = thr_r2s.partition_D(sdSt)
+            tdSsdS = thr_r2s.partition_D(sdSt)   # (CPY, N, M, stage)
+            qargs = (g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO, n_m, m_lo, head_kv * group,
+                     q_start, seqlen_q, batch, lse_stride_h, lse_stride_b, tidx)
 
-            # ---- prologue: K, V for the CTA's life, then Q, dO, LSE, delta of the first step
+            # ---- prologue: K, V for the CTA's life, then Q (+ dO), LSE, delta of the first step
             self.load_rows(g2s, thr_g2s.partition_S(gK), tKsK, tKcK, seqlen_k)
             self.load_rows(g2s, thr_g2s.partition_S(gV), tVsV, tKcK, seqlen_k)
             if n_iters > 0:
-                self.load_q_step(g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO, Int32(0), n_m,
-                                 m_lo, head_kv * group, q_start, seqlen_q, batch, lse_stride_h, lse_stride_b, tidx)
+                self.load_q_step(*qargs, Int32(0), Int32(0), True, not do_at_top)
             cute.arch.cp_async_commit_group()
 
             for it in cutlass.range(n_iters, unroll=1):
                 g = it // n_m
                 m_block = m_lo + it - g * n_m
                 head = head_kv * group + g
+                stg = Int32(0)
+                if cutlass.const_expr(two_stage):
+                    stg = it % 2
+                dstg = Int32(0)  # the dS^T stage
+                if cutlass.const_expr(self.ds_in_do):
+                    dstg = stg
                 cute.arch.cp_async_wait_group(0)
-                bar.arrive_and_wait()  # Q/dO/LSE/delta of this step landed; previous dQ read of sdS done
+                # B1: this step's loads landed; every warp is done with the previous step (its dQ read
+                # dS^T, its GEMMs read the other stage), so that stage / dS^T may be overwritten
+                bar.arrive_and_wait()
+                if cutlass.const_expr(two_stage):
+                    if it + 1 < n_iters:
+                        self.load_q_step(*qargs, it + 1, 1 - stg, True, True)
+                    cute.arch.cp_async_commit_group()
+                if cutlass.const_expr(do_at_top):
+                    self.load_q_step(*qargs, it, Int32(0), False, True)
+                    cute.arch.cp_async_commit_group()
 
                 acc_S = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, tile_m)), Float32)
                 acc_S.fill(0.0)
-                self.gemm_ss(mma_kv, acc_S, ld_a, ld_b, tSsK, tSrK_v, tSsQ, tSrQ_v, tSrK, tSrQ)
+                self.gemm_ss(mma_kv, acc_S, ld_a, ld_b, tSsK, tSrK_v, tSsQ[None, None, None, stg], tSrQ_v,
+                             tSrK, tSrQ)
+                if cutlass.const_expr(do_at_top):
+                    cute.arch.cp_async_wait_group(0)
+                    bar.arrive_and_wait()  # B2: dO landed (it loaded while S^T ran)
                 acc_dP = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, tile_m)), Float32)
                 acc_dP.fill(0.0)
-                self.gemm_ss(mma_kv, acc_dP, ld_a, ld_b, tSsV, tSrV_v, tSsdO, tSrdO_v, tSrV, tSrdO)
+                self.gemm_ss(mma_kv, acc_dP, ld_a, ld_b, tSsV, tSrV_v, tSsdO[None, None, None, stg], tSrdO_v,
+                             tSrV, tSrdO)
 
                 acc_S_mn = acc_mn_view(acc_S)
                 acc_dP_mn = acc_mn_view(acc_dP)
@@ -272,7 +341,7 @@ class FlashBwdSm80:
                     self.mask_t(acc_S_mn, tScS_mn, m_block * tile_m, n_block * tile_n, seqlen_q, seqlen_k,
                                 win_left, win_right)
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
-                    qc = tScS_mn[0, c][1]
+                    qc = tScS_mn[0, c][1] + stg * tile_m
                     lse2 = sLSE[qc]
                     dlt = sDelta[qc]
                     for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
@@ -284,20 +353,21 @@ class FlashBwdSm80:
                 rP.store(acc_S.load().to(self.dtype))
                 rdS = cute.make_fragment_like(acc_dP, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                self.gemm_rs(mma_kv, acc_dV, ld_bt, acc_as_A(rP), tVsdOt, tVrdOt_v, tVrdOt)
-                self.gemm_rs(mma_kv, acc_dK, ld_bt, acc_as_A(rdS), tKsQt, tKrQt_v, tKrQt)
-                cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS)
-                bar.arrive_and_wait()  # dS^T complete in smem; every warp is done with Q, dO, LSE, delta
-
-                if it + 1 < n_iters:
-                    self.load_q_step(g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO, it + 1, n_m,
-                                     m_lo, head_kv * group, q_start, seqlen_q, batch, lse_stride_h, lse_stride_b,
-                                     tidx)
+                self.gemm_rs(mma_kv, acc_dV, ld_bt, acc_as_A(rP), tVsdOt[None, None, None, stg], tVrdOt_v, tVrdOt)
+                self.gemm_rs(mma_kv, acc_dK, ld_bt, acc_as_A(rdS), tKsQt[None, None, None, stg], tKrQt_v, tKrQt)
+                if cutlass.const_expr(self.ds_in_do or not two_stage):
+                    bar.arrive_and_wait()  # B3: every warp is done with Q, dO, LSE, delta of this step
+                if cutlass.const_expr(not two_stage):
+                    if it + 1 < n_iters:  # the next Q (+ dO) loads while dS^T is stored and dQ runs
+                        self.load_q_step(*qargs, it + 1, Int32(0), True, not do_at_top)
                     cute.arch.cp_async_commit_group()
+                cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS[None, None, None, dstg])
+                bar.arrive_and_wait()  # B4: dS^T complete in smem
 
                 acc_dQ = cute.make_rmem_tensor(thr_q.partition_shape_C((tile_m, D)), Float32)
                 acc_dQ.fill(0.0)
-                self.gemm_ss(mma_q, acc_dQ, ld_qa_t, ld_qb_t, tQsdS, tQrdS_v, tQsKt, tQrKt_v, tQrdS, tQrKt)
+                self.gemm_ss(mma_q, acc_dQ, ld_qa_t, ld_qb_t, tQsdS[None, None, None, dstg], tQrdS_v, tQsKt,
+                             tQrKt_v, tQrdS, tQrKt)
 
                 sem_idx = (batch * heads_q + head) * n_mblocks + m_block
                 if cutlass.const_expr(self.deterministic):
@@ -311,11 +381,7 @@ class FlashBwdSm80:
                                                  scope="gpu")
                     bar.arrive_and_wait()
                 row_base = (q_start + m_block * tile_m) * heads_q * D + head * D
-                for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-                    rr, cc = tQcdQ[i]
-                    if m_block * tile_m + rr < seqlen_q:
-                        cute.arch.red((mdQ.iterator + (row_base + rr * heads_q * D + cc)).llvm_ptr, acc_dQ[i],
-                                      op="add", dtype=Float32, sem="relaxed", scope="gpu")
+                self.red_dq(mdQ, acc_dQ, tQcdQ, row_base, heads_q * D, seqlen_q - m_block * tile_m)
                 if cutlass.const_expr(self.deterministic):
                     cute.arch.fence_acq_rel_gpu()  # this thread's adds are visible before the release
                     bar.arrive_and_wait()
@@ -330,7 +396,9 @@ class FlashBwdSm80:
             rdK.store(acc_dK.load().to(self.dtype))
             rdV = cute.make_fragment_like(acc_dV, self.dtype)
             rdV.store(acc_dV.load().to(self.dtype))
-            r2s_o = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype), mma_kv)
+            r2s_o = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
+                mma_kv)
             thr_r2s_o = r2s_o.get_slice(tidx)
             cute.copy(r2s_o, thr_r2s_o.retile(rdK), thr_r2s_o.partition_D(sK))
             cute.copy(r2s_o, thr_r2s_o.retile(rdV), thr_r2s_o.partition_D(sV))
@@ -342,6 +410,27 @@ class FlashBwdSm80:
             self.store_rows(s2g, thr_s2g.partition_S(sV), thr_s2g.partition_D(gdV), thr_s2g.partition_D(cK), seqlen_k)
 
     # ------------------------------------------------------------------ helpers
+    @cute.jit
+    def red_dq(self, mdQ: cute.Tensor, acc_dQ: cute.Tensor, tQcdQ: cute.Tensor, row_base: Int32, row_stride: Int32,
+               rows_left: Int32):
+        """fp32 atomic adds of this thread's dQ elements (rows below ``rows_left``) into the accumulator."""
+        if cutlass.const_expr(self.vec_red):
+            # elements (2j, 2j+1) of an m16n8 accumulator are adjacent columns of one row: one
+            # 8-byte vector reduction each
+            for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+                rr, cc = tQcdQ[2 * j]
+                if rr < rows_left:
+                    v = vector.from_elements(ir.VectorType.get([2], Float32.mlir_type),
+                                             [acc_dQ[2 * j].ir_value(), acc_dQ[2 * j + 1].ir_value()])
+                    cute.arch.red((mdQ.iterator + (row_base + rr * row_stride + cc)).llvm_ptr, v, op="add",
+                                  dtype=Float32, sem="relaxed", scope="gpu")
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+                rr, cc = tQcdQ[i]
+                if rr < rows_left:
+                    cute.arch.red((mdQ.iterator + (row_base + rr * row_stride + cc)).llvm_ptr, acc_dQ[i],
+                                  op="add", dtype=Float32, sem="relaxed", scope="gpu")
+
     @cute.jit
     def m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32):
         """[m_lo, m_hi): exactly the query blocks m whose n_block_range(m) contains n_block."""
@@ -363,32 +452,39 @@ class FlashBwdSm80:
         return m_lo, m_hi
 
     @cute.jit
-    def load_q_step(self, g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO, it: Int32, n_m: Int32,
+    def load_q_step(self, g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO, n_m: Int32,
                     m_lo: Int32, head0: Int32, q_start: Int32, seqlen_q: Int32, batch: Int32,
-                    lse_stride_h: Int32, lse_stride_b: Int32, tidx):
-        """cp.async Q and dO of step ``it``; LSE2 and delta rows into smem (+inf / 0 past the end)."""
+                    lse_stride_h: Int32, lse_stride_b: Int32, tidx, it: Int32, stage: Int32,
+                    with_q: cutlass.Constexpr, with_do: cutlass.Constexpr):
+        """cp.async Q (with_q) and dO (with_do) of step ``it`` into ``stage``; with Q, the LSE2 and delta
+        rows go to smem by plain stores (+inf / 0 past the end)."""
         D = self.head_dim
         g = it // n_m
         m_block = m_lo + it - g * n_m
         head = head0 + g
-        gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (self.tile_m, D), (m_block, 0))
-        gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (self.tile_m, D), (m_block, 0))
         cQ = cute.local_tile(cute.make_identity_tensor((seqlen_q, D)), (self.tile_m, D), (m_block, 0))
         tQcQ = thr_g2s.partition_S(cQ)
-        self.load_rows(g2s, thr_g2s.partition_S(gQ), tQsQ, tQcQ, seqlen_q)
-        self.load_rows(g2s, thr_g2s.partition_S(gdO), tQsdO, tQcQ, seqlen_q)
-        if tidx < self.tile_m:
-            row = m_block * self.tile_m + tidx
-            base = head * lse_stride_h + batch * lse_stride_b
-            if cutlass.const_expr(self.varlen):
-                base = head * lse_stride_h + q_start
-            lse2 = Float32.inf
-            dlt = Float32(0.0)
-            if row < seqlen_q:
-                lse2 = mLSE[base + row]
-                dlt = mDelta[base + row]
-            sLSE[tidx] = lse2
-            sDelta[tidx] = dlt
+        if cutlass.const_expr(with_q):
+            gQ = cute.local_tile(cute.domain_offset((q_start, 0), mQ[None, head, None]), (self.tile_m, D),
+                                 (m_block, 0))
+            self.load_rows(g2s, thr_g2s.partition_S(gQ), tQsQ[None, None, None, stage], tQcQ, seqlen_q)
+        if cutlass.const_expr(with_do):
+            gdO = cute.local_tile(cute.domain_offset((q_start, 0), mdO[None, head, None]), (self.tile_m, D),
+                                  (m_block, 0))
+            self.load_rows(g2s, thr_g2s.partition_S(gdO), tQsdO[None, None, None, stage], tQcQ, seqlen_q)
+        if cutlass.const_expr(with_q):
+            if tidx < self.tile_m:
+                row = m_block * self.tile_m + tidx
+                base = head * lse_stride_h + batch * lse_stride_b
+                if cutlass.const_expr(self.varlen):
+                    base = head * lse_stride_h + q_start
+                lse2 = Float32.inf
+                dlt = Float32(0.0)
+                if row < seqlen_q:
+                    lse2 = mLSE[base + row]
+                    dlt = mDelta[base + row]
+                sLSE[stage * self.tile_m + tidx] = lse2
+                sDelta[stage * self.tile_m + tidx] = dlt
 
     @cute.jit
     def mask_t(self, acc_mn, tScS_mn, row0_q: Int32, col0_k: Int32, seqlen_q: Int32, seqlen_k: Int32,
@@ -443,3 +539,73 @@ class FlashBwdSm80:
         for m in cutlass.range_constexpr(cute.size(dst.shape[1])):
             if coords[0, m, 0][0] < limit:
                 cute.copy(s2g, rO[None, m, None], dst[None, m, None])
+
+
+class FlashBwdPreprocess:
+    """delta = rowsum(dO * O) in fp32 and LSE2 = LSE * log2(e) (+inf where LSE is -inf), one pass.
+
+    Rows are (token, head) pairs of the (total_q, heads, D) tensors; D / 8 threads share a row
+    (16-byte loads), reduce by butterfly shuffles, and one of them writes both values in the LSE
+    layout: index head * lse_stride_h + b * lse_stride_b + s with (b, s) = divmod(token, seqlen_q)
+    (varlen passes seqlen_q = total_q and lse_stride_b = 0). +inf makes exp2(s - LSE2) exactly 0 for
+    rows that see no key, instead of NaN.
+    """
+
+    num_threads = 256
+
+    def __init__(self, dtype, head_dim: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.vec = 128 // dtype.width
+        assert head_dim % self.vec == 0 and 32 % (head_dim // self.vec) == 0
+        self.thr_cols = head_dim // self.vec
+        self.rows = self.num_threads // self.thr_cols
+
+    @cute.jit
+    def __call__(self, pO: cute.Pointer, pdO: cute.Pointer, pLSE: cute.Pointer, pLSE2: cute.Pointer,
+                 pDelta: cute.Pointer, n_rows: Int32, heads: Int32, seqlen_q: Int32, lse_stride_h: Int32,
+                 lse_stride_b: Int32, stream):
+        D = self.head_dim
+        mO = cute.make_tensor(pO, cute.make_layout((n_rows, D), stride=(D, 1)))
+        mdO = cute.make_tensor(pdO, cute.make_layout((n_rows, D), stride=(D, 1)))
+        flat = cute.make_layout(1 << 30)
+        copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_layout((self.rows, self.thr_cols), stride=(self.thr_cols, 1)), cute.make_layout((1, self.vec)))
+        self.kernel(mO, mdO, cute.make_tensor(pLSE, flat), cute.make_tensor(pLSE2, flat), cute.make_tensor(pDelta, flat),
+                    n_rows, heads, seqlen_q, lse_stride_h, lse_stride_b, copy).launch(
+            grid=(cute.ceil_div(n_rows, self.rows), 1, 1), block=[self.num_threads, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mDelta: cute.Tensor,
+               n_rows: Int32, heads: Int32, seqlen_q: Int32, lse_stride_h: Int32, lse_stride_b: Int32,
+               copy: cute.TiledCopy):
+        D = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        thr = copy.get_slice(tidx)
+        tOgO = thr.partition_S(cute.local_tile(mO, (self.rows, D), (bid, 0)))
+        tOgdO = thr.partition_S(cute.local_tile(mdO, (self.rows, D), (bid, 0)))
+        tOcO = thr.partition_S(cute.local_tile(cute.make_identity_tensor((n_rows, D)), (self.rows, D), (bid, 0)))
+        row = tOcO[0][0]
+        acc = Float32(0.0)
+        if row < n_rows:
+            rO = cute.make_fragment_like(tOgO, self.dtype)
+            rdO = cute.make_fragment_like(tOgdO, self.dtype)
+            cute.copy(copy, tOgO, rO)
+            cute.copy(copy, tOgdO, rdO)
+            prod = rO.load().to(Float32) * rdO.load().to(Float32)
+            acc = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+        for k in cutlass.range_constexpr(self.thr_cols.bit_length() - 1):  # log2(thr_cols) butterflies
+            acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=self.thr_cols >> (k + 1))
+        if tidx % self.thr_cols == 0 and row < n_rows:
+            t = row // heads
+            h = row - t * heads
+            b = t // seqlen_q
+            idx = h * lse_stride_h + b * lse_stride_b + (t - b * seqlen_q)
+            mDelta[idx] = acc
+            lse = mLSE[idx]
+            lse2 = lse * Float32(1.4426950408889634)
+            if lse == -Float32.inf:
+                lse2 = Float32.inf
+            mLSE2[idx] = lse2

@@ -15,7 +15,7 @@ import torch
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string
 
-from .bwd import SMEM_LIMIT_SM120, SUPPORTED_HEAD_DIMS, FlashBwdSm80, bwd_tile_config
+from .bwd import SMEM_LIMIT_SM120, SUPPORTED_HEAD_DIMS, FlashBwdPreprocess, FlashBwdSm80, bwd_tile_config
 
 _cache = CompileCache()
 LOG2_E = math.log2(math.e)
@@ -38,7 +38,7 @@ def backward_reason(spec) -> Optional[str]:
         return "backward: key ranges not supported"
     if spec.has_block_sparse:
         return "backward: block-sparse not supported"
-    if bwd_tile_config(spec.head_dim).smem_bytes(spec.head_dim) + 4096 > SMEM_LIMIT_SM120:
+    if bwd_tile_config(spec.head_dim).smem_bytes(spec.head_dim) > SMEM_LIMIT_SM120:
         return "backward: tile does not fit 99 KB of shared memory"
     if spec.batch * spec.num_heads_q * -(-max(spec.seqlen_q, 1) // 32) > 2 ** 31 - 1:
         return "backward: too many (batch, head, query block) semaphores for 32-bit indexing"
@@ -55,7 +55,9 @@ def build_kernel(key: tuple) -> FlashBwdSm80:
     import cutlass
     _, dt, d, cfg, varlen, has_left, has_right, det, _arch = key
     cdt = {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
-    return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det)
+    # vector fp32 reductions (red.global.add.v2.f32) exist from sm_90 on
+    return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
+                        vec_red=_arch >= 90)
 
 
 def _ptrs(kernel_dtype, addrs):
@@ -89,6 +91,37 @@ def compile_kernel(key: tuple, arch: int):
     return _cache.get(key, lambda: compile_uncached(key, arch)[0])
 
 
+def preprocess_key(spec, arch: int) -> tuple:
+    return ("bwd_pre", str(spec.dtype), spec.head_dim, arch)
+
+
+def compile_preprocess_uncached(key: tuple, arch: int, extra_options: str = ""):
+    """Compile the delta / LSE2 preprocess kernel for ``key``; returns (fn, kernel object)."""
+    import cuda.bindings.driver as cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    _, dt, d, _arch = key
+    cdt = {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
+    kern = FlashBwdPreprocess(cdt, d)
+    p = _pre_ptrs(cdt, (1 << 20,) * 5)
+    fn = cute.compile(kern, *p, *[Int32(1)] * 5, cuda.CUstream(0),
+                      options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
+    return fn, kern
+
+
+def _pre_ptrs(kernel_dtype, addrs):
+    import cutlass.cute as cute
+    from cutlass import Float32
+    o, do, lse, lse2, delta = addrs
+    mk = cute.runtime.make_ptr
+    g = cute.AddressSpace.gmem
+    return [mk(kernel_dtype, o, g, assumed_align=16), mk(kernel_dtype, do, g, assumed_align=16),
+            mk(Float32, lse, g, assumed_align=4), mk(Float32, lse2, g, assumed_align=4),
+            mk(Float32, delta, g, assumed_align=4)]
+
+
 def compile_cache() -> CompileCache:
     return _cache
 
@@ -100,28 +133,34 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
     spec = call.spec
     varlen = spec.mode == "varlen"
     q, k, v, do = (aligned(t) for t in (call.q, call.k, call.v, dout))
-    out = out.contiguous()
+    out = aligned(out)
     Hq, Hkv, D = spec.num_heads_q, spec.num_heads_kv, spec.head_dim
     cfg = bwd_tile_config(D)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     if varlen:
         total_q, total_k = q.shape[0], k.shape[0]
-        lse_sh, lse_sb = total_q, 0
-        # (total, H) -> (H, total), the LSE layout
-        delta = (do.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
+        lse_sh, lse_sb, rows_per_b = total_q, 0, max(total_q, 1)
     else:
         B, Sq, Sk = spec.batch, spec.seqlen_q, spec.seqlen_k
         total_q, total_k = B * Sq, B * Sk
-        lse_sh, lse_sb = Sq, Hq * Sq
-        delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # (B, Hq, Sq)
+        lse_sh, lse_sb, rows_per_b = Sq, Hq * Sq, max(Sq, 1)
     lse = lse.contiguous()
-    lse2 = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse * LOG2_E)
+    delta = torch.empty_like(lse)
+    lse2 = torch.empty_like(lse)
     dq_acc = torch.zeros((max(total_q, 1), Hq, D), dtype=torch.float32, device=q.device)
     if total_q == 0 or total_k == 0 or spec.batch == 0:
         dk.zero_()
         dv.zero_()
         return torch.zeros_like(q), dk, dv
+    import cutlass
+    cdt = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[spec.dtype]
+    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    pkey = preprocess_key(spec, arch)
+    pre = _cache.get(pkey, lambda: compile_preprocess_uncached(pkey, arch)[0])
+    with torch.cuda.device(q.device):
+        pre(*_pre_ptrs(cdt, (out.data_ptr(), do.data_ptr(), lse.data_ptr(), lse2.data_ptr(), delta.data_ptr())),
+            total_q * Hq, Hq, rows_per_b, lse_sh, lse_sb, stream)
     n_mblocks = -(-spec.seqlen_q // cfg.tile_m)
     sem = torch.zeros((spec.batch * Hq * n_mblocks if spec.deterministic else 1,), dtype=torch.int32,
                       device=q.device)
@@ -130,17 +169,14 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
     _, _, wl, wr = _window_bounds(spec)
     cu_q = call.cu_seqlens_q if varlen else sem
     cu_k = call.cu_seqlens_k if varlen else sem
-    import cutlass
-    cdt = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[spec.dtype]
     p = _ptrs(cdt, (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                     dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr(), cu_q.data_ptr(),
                     cu_k.data_ptr()))
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
     with torch.cuda.device(q.device):
         fn(*p, total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb, wl, wr,
            n_mblocks, spec.scale * LOG2_E, spec.scale, stream)
     # keep the buffers of the asynchronous launch alive until the caller's stream moves on
-    call.extra["_sm120_bwd_keepalive"] = (lse2, delta, sem, q, k, v, do)
+    call.extra["_sm120_bwd_keepalive"] = (lse2, delta, sem, q, k, v, do, out, lse)
     dq = dq_acc[:total_q].to(spec.dtype).view(q.shape)
     return dq, dk, dv
 
