@@ -173,8 +173,13 @@ def test_gpu_decode_page_offsets_past_2_31():
 
 def test_decode_split_count_fills_whole_waves():
     from dualattn.reference.triton.decode import MAX_SPLITS, choose_num_splits
-    # H100/H200 with two programs per SM: 264 slots. batch 8 x 8 KV heads at 8k (128 blocks of
-    # 64 keys): 4 splits fill one wave; 9 (the old choice) need three waves of 15-block programs.
+    # H100/H200 with the hd128 tile (128 keys, one program per SM): 132 slots. batch 8 x 8 KV
+    # heads at 8k (64 blocks): 2 splits fill one wave; batch 64 needs none; batch 1 at 32k: 16
+    assert choose_num_splits(64, 64, 132) == 2
+    assert choose_num_splits(512, 64, 132) == 1
+    assert choose_num_splits(8, 256, 132) == 16
+    # with 64-key blocks and two programs per SM (264 slots): 4 splits fill one wave, where the
+    # earlier rule's 9 needed three waves of 15-block programs
     assert choose_num_splits(64, 128, 264) == 4
     assert choose_num_splits(64, 512, 264) == 4
     # batch 64: 512 items are already two waves; splitting adds waves and combine work

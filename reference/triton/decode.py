@@ -196,8 +196,9 @@ def choose_num_splits(units: int, kv_blocks: int, slots: int) -> int:
 
     Programs run in waves of ``slots``, and a wave lasts as long as its programs, each
     (blocks per split + SPLIT_OVERHEAD_BLOCKS) long. Minimise waves x that length; on a tie take
-    fewer splits (less combine work). E.g. 64 items of 128 blocks on 264 slots: 4 splits fill one
-    wave (34), where 9 splits would need three waves of 15+2 (51).
+    fewer splits (less combine work). E.g. batch 8 x 8 KV heads = 64 items of 64 blocks on an
+    H100/H200 (132 slots with the hd128 tile, one program per SM): 2 splits fill one wave (32+2),
+    1 split leaves half the SMs idle (64+2), 3 splits need two waves (2 x (22+2)).
     """
     best, best_cost = 1, None
     for s in range(1, max(1, min(kv_blocks, MAX_SPLITS)) + 1):
