@@ -1,6 +1,7 @@
 """Compile-only (no GPU): the fast-sm120-decode kernel traces and assembles for sm_120a and sm_80.
 
-Per compiled config: the PTX uses warp-level mma.sync m16n8k16 (ptxas turns it into HMMA; no
+Per compiled config (one host function that launches the split kernel and the combine kernel):
+the PTX has both kernels and uses warp-level mma.sync m16n8k16 (ptxas turns it into HMMA; no
 disassembler is available in CI to grep the SASS itself), 16-byte cp.async and ldmatrix, no
 wgmma/tcgen05, no local-memory spills; a cubin for the target SM was produced; shared memory
 <= 99 KB (sm_120's per-block limit).
@@ -73,6 +74,7 @@ def test_compiles(cfg):
     assert re.search(r"cp\.async\.cg\.shared\.global \[[^\]]+\], \[[^\]]+\], 16", ptx), "no 16-byte cp.async"
     assert "ldmatrix.sync.aligned" in ptx and ".trans" in ptx  # V^T for P V
     assert "wgmma" not in ptx and "tcgen05" not in ptx  # sm_120 has neither
+    assert len(re.findall(r"\.entry\s", ptx)) == 2, "the split kernel and the combine kernel"
     assert ".local" not in ptx, "register spills to local memory"
     static_smem = sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx))
     assert kern.smem_bytes + static_smem <= SMEM_LIMIT, (kern.smem_bytes, static_smem)

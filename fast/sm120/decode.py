@@ -14,7 +14,8 @@ the rows: each key block of ``tile_n = num_warps * chunk_n`` keys is loaded by a
 with its own running max, sum and O. Warps never talk inside the loop (one CTA barrier per key
 block, for the cp.async ring). At the end the warps' (max, sum, O) are merged through shared
 memory in a fixed order (bitwise repeatable), and the CTA writes its normalised fp32 partial
-output and natural-log LSE to the split workspace, which a combine kernel merges (decode_impl).
+output and natural-log LSE to the split workspace. A second kernel, launched by the same host
+call, merges the splits of each output row (``combine_kernel``).
 
 Paged caches: a chunk of ``chunk_n`` keys never straddles a page (page size a multiple of
 chunk_n), so each chunk's base address is looked up in the page table on its own; offsets are
@@ -101,6 +102,7 @@ class FlashDecodeSm80:
         self.cfg = cfg
         self.tile_m, self.chunk_n, self.num_warps, self.stages = cfg.tile_m, cfg.chunk_n, cfg.num_warps, cfg.stages
         self.tile_n, self.num_threads = cfg.tile_n, cfg.num_threads
+        self.combine_threads = min(head_dim, 128)  # one output column per thread (two at hd > 128)
         self.paged = paged
         self.has_left = has_left
         self.has_right = has_right
@@ -151,6 +153,7 @@ class FlashDecodeSm80:
         """Fields of the packed per-call argument, in the order ``from_packed`` unpacks them."""
         from dualattn.fast.common.launch_args import ArgSchema
         fields = [("q", ("ptr", dtype, 16)), ("k", ("ptr", dtype, 16)), ("v", ("ptr", dtype, 16)),
+                  ("out", ("ptr", dtype, 16)), ("lse", ("ptr", Float32, 4)),
                   ("o_part", ("ptr", Float32, 16)), ("l_part", ("ptr", Float32, 4)),
                   ("cache_seqlens", ("ptr", Int32, 4)), ("page_table", ("ptr", Int32, 4))]
         fields += [(n, "i32") for n in ("batch", "seqlen_q", "heads_q", "heads_kv", "n_new", "num_splits",
@@ -165,7 +168,7 @@ class FlashDecodeSm80:
     # ------------------------------------------------------------------ host-side setup (trace)
     @cute.jit
     def from_packed(self, args, stream):
-        (pQ, pK, pV, pO, pL, pLens, pPT, batch, seqlen_q, heads_q, heads_kv, n_new, num_splits, page_size,
+        (pQ, pK, pV, pOut, pLse, pO, pL, pLens, pPT, batch, seqlen_q, heads_q, heads_kv, n_new, num_splits, page_size,
          pt_stride, q_sb, q_ss, q_sh, win_left, win_right, k_sb, k_ss, k_sh, v_sb, v_ss, v_sh,
          scale_log2, softcap_scale, softcap) = args.values
         D = self.head_dim
@@ -203,6 +206,9 @@ class FlashDecodeSm80:
                     page_size, pt_stride, q_sb, q_ss, q_sh, win_left, win_right, k_sb, k_ss, k_sh, v_sb, v_ss,
                     v_sh, scale_log2, softcap_scale, softcap, sQ_layout, sKV_layout, g2s, tiled_mma,
                     Smem).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
+        # the combine, in the same host call (one launch each, stream-ordered after the splits)
+        self.combine_kernel(pOut, pLse, pO, pL, batch, seqlen_q, heads_q, num_splits).launch(
+            grid=(batch * heads_q * seqlen_q, 1, 1), block=[self.combine_threads, 1, 1], stream=stream)
 
     # ------------------------------------------------------------------ device code
     @cute.kernel
@@ -252,7 +258,7 @@ class FlashDecodeSm80:
         s_hi = cutlass.min(s_lo + per_split, blk_hi)
         n_iters = s_hi - s_lo
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         st = smem.allocate(Smem)
         sQ = st.sQ.get_tensor(sQ_layout)
         sK = st.sK.get_tensor(sKV_layout)
@@ -403,6 +409,54 @@ class FlashDecodeSm80:
                 t = r_glob // gqa
                 h = hk * gqa + r_glob % gqa
                 mL[((split * batch + b) * heads_q + h) * seqlen_q + t] = lse
+
+    @cute.kernel
+    def combine_kernel(self, pOut: cute.Pointer, pLse: cute.Pointer, pO: cute.Pointer, pL: cute.Pointer,
+                       batch: Int32, seqlen_q: Int32, heads_q: Int32, num_splits: Int32):
+        """Merge the splits of one output row: out = sum_s exp(lse_s - lse) out_s, lse = log sum_s exp(lse_s).
+
+        One CTA per row ``(b * Hq + h) * Sq + t`` (also its index in a split's workspace slice and in
+        the (B, Hq, Sq) LSE); splits summed in order (bitwise repeatable); a row no split saw gets
+        out 0 and LSE -inf.
+        """
+        D = self.head_dim
+        nthr = self.combine_threads
+        tidx, _, _ = cute.arch.thread_idx()
+        row, _, _ = cute.arch.block_idx()
+        rows = batch * heads_q * seqlen_q
+        flat = cute.make_layout(1 << 30)
+        mOut = cute.make_tensor(pOut, flat)
+        mLse = cute.make_tensor(pLse, flat)
+        mO = cute.make_tensor(pO, flat)
+        mL = cute.make_tensor(pL, flat)
+        t = row % seqlen_q
+        h = (row // seqlen_q) % heads_q
+        b = row // (seqlen_q * heads_q)
+        m = -Float32.inf
+        for s in cutlass.range(num_splits, unroll=1):
+            m = cute.arch.fmax(m, mL[s * rows + row])
+        m_off = m
+        if m == -Float32.inf:
+            m_off = Float32(0.0)
+        total = Float32(0.0)
+        for s in cutlass.range(num_splits, unroll=1):
+            total = total + cute.math.exp2((mL[s * rows + row] - m_off) * LOG2_E, fastmath=True)
+        inv = Float32(0.0)
+        if total > 0.0:
+            inv = Float32(1.0) / total
+        for j in cutlass.range_constexpr((D + nthr - 1) // nthr):
+            c = tidx + nthr * j
+            if c < D:
+                acc = Float32(0.0)
+                for s in cutlass.range(num_splits, unroll=1):
+                    w = cute.math.exp2((mL[s * rows + row] - m_off) * LOG2_E, fastmath=True)
+                    acc = acc + w * mO[(s * rows + row) * D + c]
+                mOut[((b * seqlen_q + t) * heads_q + h) * D + c] = self.dtype(acc * inv)
+        if tidx == 0:
+            lse = -Float32.inf
+            if total > 0.0:
+                lse = m_off + cute.math.log2(total, fastmath=True) * LN_2
+            mLse[row] = lse
 
     @cute.jit
     def merged_row(self, red: cute.Tensor, row: Int32, sm_scale_log2: Float32):

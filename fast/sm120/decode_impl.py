@@ -1,13 +1,14 @@
 """The "fast-sm120-decode" implementation: kv-cache attention (decode) on mma.sync, SM80..SM90 and SM120.
 
-Per call, three launches in stream order, none of which reads device memory on the host:
+Per call, in stream order, with nothing read back to the host:
 
 1. append (only with k_new/v_new): the reference's Triton ``_append_kv`` writes the new tokens
    into the cache at cache_seqlens[b] .. (paged or not); cache_seqlens itself is not advanced
    (FlashAttention's semantics, as the oracle and the Triton decode);
-2. split (CuTe DSL, decode.FlashDecodeSm80): flash-decoding over ``num_splits`` chunks of the key
-   blocks, writing normalised fp32 partial outputs and LSEs to a workspace;
-3. combine: the reference's Triton ``_decode_combine`` (out = sum_s exp(lse_s - lse) out_s).
+2. one call of the compiled CuTe DSL function (decode.FlashDecodeSm80.from_packed, one packed
+   argument) that launches the split kernel (flash-decoding over ``num_splits`` chunks of the key
+   blocks, normalised fp32 partial outputs and LSEs into a workspace) and the combine kernel
+   (out = sum_s exp(lse_s - lse) out_s, LSE).
 
 The only allocations are the outputs and a workspace whose size follows from the spec, so a call
 can be captured in a CUDA graph. The number of splits is chosen from the spec (capacity, not the
@@ -22,6 +23,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
+from dualattn.fast.sm90 import _current_stream  # the cheap raw-stream query
 
 from .decode import DecodeConfig, FlashDecodeSm80, decode_config
 from .impl import SUPPORTED_ARCHS, _cutlass_dtype, window_bounds
@@ -54,10 +56,6 @@ def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
     fn = cute.compile(kern.from_packed, schema.fake(), cuda.CUstream(0),
                       options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
     return fn, kern
-
-
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 _DEVICE_INFO = {}
@@ -157,15 +155,12 @@ class FastSm120Decode:
         return hit
 
     def forward(self, call):
-        from dualattn.reference.triton.common import next_pow2
-        from dualattn.reference.triton.decode import _append_kv, _decode_combine
-
         spec = call.spec
         q, k, v = call.q, call.k, call.v
         B, Sq, Hq, Hkv, D = spec.batch, spec.seqlen_q, spec.num_heads_q, spec.num_heads_kv, spec.head_dim
         # the cache is read with 16-byte cp.async and written in place: it cannot be copied
         for name, t in (("k_cache", k), ("v_cache", v)):
-            if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:3]) or t.data_ptr() % 16:
+            if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:3]):
                 raise NotImplementedError(f"fast-sm120-decode: {name} needs a unit-stride last dimension, "
                                           "other strides a multiple of 8 elements and a 16-byte aligned base")
         out = call.extra.get("out")  # tests may pass preallocated (poisoned) outputs
@@ -174,37 +169,47 @@ class FastSm120Decode:
         lse = call.extra.get("lse")
         if lse is None:
             lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
-        assert lse.is_contiguous()
+        # the combine derives O's and LSE's offsets from the shapes
+        assert out.is_contiguous() and lse.is_contiguous() and out.data_ptr() % 16 == 0
         if out.numel() == 0:
             return out, lse.fill_(-math.inf)
         page_table = call.page_table if spec.paged else call.cache_seqlens
         pt_stride = call.page_table.stride(0) if spec.paged else 0
         page_size = max(spec.page_size, 1)
         if spec.num_new_kv:
-            kn, vn = (t if t.stride(-1) == 1 else t.contiguous() for t in (call.k_new, call.v_new))
-            _append_kv[(B * spec.num_new_kv, Hkv)](
-                kn, vn, k, v, call.cache_seqlens, page_table, *kn.stride()[:3], *vn.stride()[:3],
-                *k.stride()[:3], *v.stride()[:3], pt_stride, spec.num_new_kv, page_size,
-                BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(D), HEAD_D=D, HEAD_DV=D, PAGED=spec.paged)
+            _append(call, k, v, page_table, pt_stride, page_size)
 
         fn, pack, cfg, splits, (wl, wr, scale_log2, softcap_scale, softcap) = self._entry(spec, q.device)
-        o_part = torch.empty(splits, B, Hq, Sq, D, dtype=torch.float32, device=q.device)
-        l_part = torch.empty(splits, B, Hq, Sq, dtype=torch.float32, device=q.device)
-        args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), o_part.data_ptr(), l_part.data_ptr(),
-                    call.cache_seqlens.data_ptr(), page_table.data_ptr(), B, Sq, Hq, Hkv, spec.num_new_kv,
-                    splits, page_size, pt_stride, *q.stride()[:3], wl, wr, *k.stride()[:3], *v.stride()[:3],
-                    scale_log2, softcap_scale, softcap)
-        import cuda.bindings.driver as cuda
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        with torch.cuda.device(q.device):  # the launch goes to the current device's context
-            fn(args, stream)
-        _decode_combine[(B * Hq * Sq,)](
-            o_part, l_part, out, lse, o_part.stride(0), l_part.stride(0), out.stride(0), out.stride(1),
-            out.stride(2), splits, Sq, Hq, BLOCK_S=next_pow2(splits), BLOCK_DV=next_pow2(D), HEAD_DV=D)
+        # one workspace: o_part (splits, B, Hq, Sq, D) then l_part (splits, B, Hq, Sq), fp32
+        n_rows = splits * B * Hq * Sq
+        ws = torch.empty(n_rows * (D + 1), dtype=torch.float32, device=q.device)
+        args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), ws.data_ptr(),
+                    ws.data_ptr() + 4 * n_rows * D, call.cache_seqlens.data_ptr(), page_table.data_ptr(),
+                    B, Sq, Hq, Hkv, spec.num_new_kv, splits, page_size, pt_stride, *q.stride()[:3], wl, wr,
+                    *k.stride()[:3], *v.stride()[:3], scale_log2, softcap_scale, softcap)
+        if q.device.index in (None, torch.cuda.current_device()):
+            fn(args, _current_stream(q.device))
+        else:
+            with torch.cuda.device(q.device):  # the launch goes to the current device's context
+                fn(args, _current_stream(q.device))
         return out, lse
 
     def backward(self, call, out, lse, dout):
         raise NotImplementedError("fast-sm120-decode has no backward (can_implement refuses needs_grad)")
+
+
+def _append(call, k, v, page_table, pt_stride: int, page_size: int) -> None:
+    """k_new/v_new into the cache at cache_seqlens[b] ..: the reference's Triton append kernel."""
+    from dualattn.reference.triton.common import next_pow2
+    from dualattn.reference.triton.decode import _append_kv
+
+    spec = call.spec
+    D = spec.head_dim
+    kn, vn = (t if t.stride(-1) == 1 else t.contiguous() for t in (call.k_new, call.v_new))
+    _append_kv[(spec.batch * spec.num_new_kv, spec.num_heads_kv)](
+        kn, vn, k, v, call.cache_seqlens, page_table, *kn.stride()[:3], *vn.stride()[:3],
+        *k.stride()[:3], *v.stride()[:3], pt_stride, spec.num_new_kv, page_size,
+        BLOCK_D=next_pow2(D), BLOCK_DV=next_pow2(D), HEAD_D=D, HEAD_DV=D, PAGED=spec.paged)
 
 
 def compile_cache() -> CompileCache:
