@@ -152,6 +152,15 @@ def test_decode_window_causal(window, causal, sq):
     run_and_check(make_call([1, 50, 130, 999], sq=sq, hq=8, hkv=2, window=window, causal=causal, seed=sq))
 
 
+@pytest.mark.parametrize("d,sq,hq,hkv", [(128, 8, 32, 4), (64, 6, 16, 2)])
+@gpu_test
+def test_decode_several_row_tiles(d, sq, hq, hkv):
+    # 64 / 48 packed rows: two 32-row tiles per KV head (the second one partial), each with its own
+    # causal/window key range
+    run_and_check(make_call([3, 400, 1000], d=d, sq=sq, hq=hq, hkv=hkv, causal=True, window=(200, -1),
+                            page_size=64, seed=sq))
+
+
 @gpu_test
 def test_decode_softcap():
     run_and_check(make_call([70, 1024, 3], softcap=15.0, q_scale=4.0, seed=9))
