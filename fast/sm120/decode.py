@@ -119,12 +119,11 @@ class FlashDecodeSm80:
     def compile_key(spec, arch: int) -> tuple:
         """Everything the generated code depends on. Batch, heads, lengths, cache lengths, pages,
         strides, window sizes, scale, cap and the number of splits are runtime values."""
-        wl, wr = spec.window
-        if spec.causal:
-            wr = 0 if wr < 0 else min(wr, 0)
+        from .impl import window_bounds
+        has_left, has_right, _, _ = window_bounds(spec)  # causal is a right bound of 0
         cfg = decode_config(spec.head_dim, spec.seqlen_q * spec.gqa_ratio)
         return ("decode", str(spec.dtype), spec.head_dim, spec.head_dim_v, cfg, bool(spec.paged),
-                wl >= 0, wr >= 0, spec.softcap > 0, arch)
+                has_left, has_right, spec.softcap > 0, arch)
 
     @staticmethod
     def can_implement(spec) -> "str | None":
