@@ -432,13 +432,15 @@ class FlashDecodeSm80:
         h = (row // seqlen_q) % heads_q
         b = row // (seqlen_q * heads_q)
         m = -Float32.inf
-        for s in cutlass.range(num_splits, unroll=1):
+        # unrolled: the loads of 8 splits are in flight together (one at a time left a 45-split
+        # b1 decode waiting ~45 memory latencies per column: 41 vs 29 us on the H100)
+        for s in cutlass.range(num_splits, unroll=8):
             m = cute.arch.fmax(m, mL[s * rows + row])
         m_off = m
         if m == -Float32.inf:
             m_off = Float32(0.0)
         total = Float32(0.0)
-        for s in cutlass.range(num_splits, unroll=1):
+        for s in cutlass.range(num_splits, unroll=8):
             total = total + cute.math.exp2((mL[s * rows + row] - m_off) * LOG2_E, fastmath=True)
         inv = Float32(0.0)
         if total > 0.0:
@@ -447,7 +449,7 @@ class FlashDecodeSm80:
             c = tidx + nthr * j
             if c < D:
                 acc = Float32(0.0)
-                for s in cutlass.range(num_splits, unroll=1):
+                for s in cutlass.range(num_splits, unroll=8):
                     w = cute.math.exp2((mL[s * rows + row] - m_off) * LOG2_E, fastmath=True)
                     acc = acc + w * mO[(s * rows + row) * D + c]
                 mOut[((b * seqlen_q + t) * heads_q + h) * D + c] = self.dtype(acc * inv)
