@@ -21,6 +21,7 @@ schema in the same thread (every launch packs and calls at once); using a stale 
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 import threading
 from typing import List, Sequence, Tuple
@@ -87,10 +88,11 @@ class ArgSchema:
 
 class _Slot:
     """One thread's reusable struct for a schema, its field addresses and a packing counter."""
-    __slots__ = ("storage", "pointers", "generation")
+    __slots__ = ("storage", "pointers", "generation", "launch")
 
     def __init__(self, storage, pointers):
         self.storage, self.pointers, self.generation = storage, pointers, 0
+        self.launch = {}  # DirectLauncher -> this struct's ready argument array
 
 
 class PackedArgs:
@@ -129,3 +131,78 @@ class PackedArgs:
             return slot.pointers
         base = ctypes.addressof(self.storage)
         return [ctypes.c_void_p(base + off) for off in self.schema.offsets]
+
+
+_DIRECT = os.environ.get("DUALATTN_DIRECT_LAUNCH", "1") != "0"
+
+
+class DirectLauncher:
+    """``launcher(packed, stream)`` == ``fn(packed, stream)`` for a compiled ``fn(args, stream)``
+    entry, without the DSL's per-call argument marshalling (tens of microseconds of Python).
+
+    With ``pack``'s per-thread struct, the executor's array of argument addresses is the same on
+    every call: field addresses, then the stream handle's address, then the executor's own extra
+    slots (CUDA result, kernel handles). The first call in each thread goes through the DSL as
+    usual (it also loads the module); the array it leaves behind is copied once as a template,
+    checked against our field addresses, and its stream slot pointed at a holder of ours. Later
+    calls write the stream handle and call the compiled host function on a ready array (one per
+    packed struct, kept on it). Anything unexpected (another DSL version, a stale or foreign
+    argument) takes the DSL's own path; ``DUALATTN_DIRECT_LAUNCH=0`` always does.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._tls = threading.local()
+        self.enabled = _DIRECT
+
+    def __call__(self, packed, stream):
+        slot = getattr(packed, "_slot", None)
+        st = getattr(self._tls, "state", None)
+        if slot is None or st is None or slot.generation != packed._generation:
+            return self._regular(packed, stream, slot)
+        arr = slot.launch.get(self)
+        if arr is None:
+            arr = self._array(st, slot)
+            if arr is None:
+                return self._regular(packed, stream, slot)
+        st[1].value = stream if stream.__class__ is int else int(stream)
+        st[2](arr)
+        result = st[3]
+        if result is None:
+            return None
+        if result.value:
+            raise RuntimeError(f"kernel launch failed: CUDA error {result.value}")
+        return 0  # as the DSL's call returns
+
+    def _regular(self, packed, stream, slot):
+        ret = self.fn(packed, stream)
+        if self.enabled and slot is not None and getattr(self._tls, "state", None) is None:
+            self._prime(slot)
+        return ret
+
+    def _prime(self, slot) -> None:
+        """Take the template from the executor's array of this thread's last (regular) call."""
+        try:
+            ex = self.fn._default_executor
+            src = ex._tls.packed_args
+            n = len(slot.pointers)
+            total = n + 1 + ex._num_extra_args
+            if len(src) < total or any(src[i] != p.value for i, p in enumerate(slot.pointers)):
+                raise ValueError("argument array layout differs from the packed struct")
+            template = (ctypes.c_void_p * total)(*src[:total])
+            holder = ctypes.c_void_p(0)
+            template[n] = ctypes.addressof(holder)
+            self._tls.state = (template, holder, ex.capi_func,
+                               ex.cuda_result if ex._has_cuda_result else None)
+        except Exception:  # another DSL version: stay on the regular path
+            self.enabled = False
+
+    def _array(self, st, slot):
+        template = st[0]
+        if len(template) < len(slot.pointers) + 1:
+            return None
+        arr = (ctypes.c_void_p * len(template))(*template)
+        for i, p in enumerate(slot.pointers):
+            arr[i] = p
+        slot.launch[self] = arr
+        return arr
