@@ -34,7 +34,7 @@ CASES = []
 def _case(name, B, Sq, Sk, Hq, Hkv, D, dtype="bfloat16", causal=False, persistent=None, **kw):
     tag = "" if persistent is None else f"-persistent{persistent}"
     tag += "".join(f"-{k}{v}" for k, v in sorted(kw.items()))
-    CASES.append((f"{name}-{dtype}-d{D}{'-causal' if causal else ''}{tag}", B, Sq, Sk, Hq, Hkv, D,
+    CASES.append((f"{name}-{B}x{Sq}x{Sk}-{dtype}-d{D}{'-causal' if causal else ''}{tag}", B, Sq, Sk, Hq, Hkv, D,
                   dtype, causal, persistent, kw))
 
 
@@ -343,6 +343,18 @@ def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
     f.flush()
 
 
+def _in_group(name: str, group: str) -> bool:
+    """Does case ``name`` belong to worker group ``group``? Groups are "<list><i>" (see
+    _group_of) or, for running a selection by hand, "sel:<k>:<n>:<regex>": every n-th case (from
+    the k-th) of those whose name matches the regex, e.g. ``--worker out.jsonl sel:0:4:varlen``."""
+    if group.startswith("sel:"):
+        import re
+        _, k, n, pattern = group.split(":", 3)
+        names = [c[0] for c in CASES + VARLEN_CASES + FEATURE_CASES if re.search(pattern, c[0])]
+        return name in names[int(k)::int(n)]
+    return _group_of(name) == group
+
+
 def _group_of(name: str) -> str:
     """Worker group of a case: its list and its index // GROUP_SIZE."""
     for kind, cases in (("dense", CASES), ("varlen", VARLEN_CASES), ("feature", FEATURE_CASES)):
@@ -362,7 +374,7 @@ def _run_worker(out_path: str, group: str) -> None:
     torch.manual_seed(0)
     with open(out_path, "w") as f:
         for name, B, Sq, Sk, Hq, Hkv, D, dtype, causal, persistent, kw in CASES:
-            if _group_of(name) != group:
+            if not _in_group(name, group):
                 continue
             sm90._PERSISTENT_ENV = persistent or ""
             dt = getattr(torch, dtype)
@@ -401,10 +413,10 @@ def _run_worker(out_path: str, group: str) -> None:
             f.flush()
         sm90._PERSISTENT_ENV = ""
         for case in VARLEN_CASES:
-            if _group_of(case[0]) == group:
+            if _in_group(case[0], group):
                 _run_varlen_case(f, *case)
         for name, make in FEATURE_CASES:
-            if _group_of(name) == group:
+            if _in_group(name, group):
                 _run_feature_case(f, name, make)
 
 
@@ -539,6 +551,25 @@ def test_key_ranges_and_block_sparse_match_oracle(results, case):
     test_forward_matches_oracle(results, case)
 
 
+def _summary(paths) -> None:
+    """Print a compact summary of worker JSONL files (for runs of the workers by hand)."""
+    n_ok, bad = 0, []
+    for p in paths:
+        for line in open(p):
+            r = json.loads(line)
+            good = (r.get("ok") and r.get("bitwise") and "error" not in r
+                    and r.get("impl") == "fast-sm90")
+            n_ok += bool(good)
+            if not good:
+                bad.append(r)
+    print(f"sm90 worker cases: {n_ok} ok, {len(bad)} failed")
+    for r in bad:
+        print("FAIL", r["name"], r.get("impl"), r.get("error", ""), "bitwise" if not r.get("bitwise") else "",
+              "; ".join(c for c in r.get("checks", []) if "FAIL" in c.upper() or "vs without" in c)[:600])
+
+
+if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--summary":
+    _summary(sys.argv[2:])
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
     _run_worker(sys.argv[2], sys.argv[3])
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--overhead":

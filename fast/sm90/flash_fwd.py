@@ -568,7 +568,8 @@ class FlashFwdSm90:
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
             # blocks that need the element mask: the sequence tail and, for causal / a right
-            # window bound, the diagonal; with a left bound every block is masked (simple, exact)
+            # window bound, the diagonal (visited first); with a left bound also the blocks that
+            # cross the window's lower edge (visited last). The ones in between run unmasked.
             n_masked = 1
             if const_expr(self.mask_right):
                 # blocks left of the one holding key (first row's last visible key + 1) are full
@@ -576,8 +577,14 @@ class FlashFwdSm90:
                 n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
                 n_masked = cutlass.max(n_block_max - n_block_unmasked_end, 1)
             n_masked = cutlass.min(n_masked, n_blocks)
+            n_masked_left = Int32(0)
             if const_expr(self.mask_left):
-                n_masked = n_blocks
+                # block n is clear of the lower edge for every row iff n * BN >= the first
+                # visible key of the tile's last row
+                last_row_lo = m_block * BM + BM - 1 + seqlen_k - seqlen_q - win_left
+                n_left_clear = cute.ceil_div(cutlass.max(last_row_lo, 0), BN)
+                n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
+                n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
             ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
                        tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
                        tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
@@ -600,23 +607,31 @@ class FlashFwdSm90:
                 # key blocks in the plan's order, the mask decided per block at run time
                 if n_blocks > 0:
                     if const_expr(self.overlap):
-                        self.first_half_block(ctx, self.block_at(0, visit)[0], kv_state, tOrP)
+                        n_block0, is_mask0 = self.block_at(0, visit)
+                        self.first_half_block(ctx, n_block0, kv_state, tOrP,
+                                              self.block_need_mask(ctx, n_block0, is_mask0),
+                                              is_mask0)
                     for i in cutlass.range(n_blocks - 1 if const_expr(self.overlap) else n_blocks,
                                            unroll=1):
                         it = i + 1 if const_expr(self.overlap) else i
                         n_block, is_mask_entry = self.block_at(it, visit)
                         need = self.block_need_mask(ctx, n_block, is_mask_entry)
                         if const_expr(self.overlap):
-                            kv_state = self.overlapped_block(ctx, need, n_block, kv_state, tOrP)
+                            kv_state = self.overlapped_block(ctx, need, n_block, kv_state, tOrP,
+                                                             is_mask_entry)
                         else:
-                            kv_state = self.one_block(ctx, need, n_block, kv_state)
+                            kv_state = self.one_block(ctx, need, n_block, kv_state, is_mask_entry)
                     if const_expr(self.overlap):
                         kv_state = self.last_half_block(ctx, kv_state, tOrP)
             elif const_expr(not self.overlap):
                 for i in cutlass.range(n_masked, unroll=1):
                     kv_state = self.one_block(ctx, True, n_block_max - 1 - i, kv_state)
-                for i in cutlass.range(n_blocks - n_masked, unroll=1):
+                for i in cutlass.range(n_blocks - n_masked - n_masked_left, unroll=1):
                     kv_state = self.one_block(ctx, False, n_block_max - n_masked - 1 - i, kv_state)
+                if const_expr(self.mask_left):
+                    for i in cutlass.range(n_masked_left, unroll=1):
+                        kv_state = self.one_block(ctx, True, n_block_min + n_masked_left - 1 - i,
+                                                  kv_state)
             else:
                 # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
                 # together while the softmax of S_{j+1} runs on the CUDA cores
@@ -625,9 +640,13 @@ class FlashFwdSm90:
                     for i in cutlass.range(n_masked - 1, unroll=1):
                         kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
                                                          tOrP)
-                    for i in cutlass.range(n_blocks - n_masked, unroll=1):
+                    for i in cutlass.range(n_blocks - n_masked - n_masked_left, unroll=1):
                         kv_state = self.overlapped_block(
                             ctx, False, n_block_max - n_masked - 1 - i, kv_state, tOrP)
+                    if const_expr(self.mask_left):
+                        for i in cutlass.range(n_masked_left, unroll=1):
+                            kv_state = self.overlapped_block(
+                                ctx, True, n_block_min + n_masked_left - 1 - i, kv_state, tOrP)
                     kv_state = self.last_half_block(ctx, kv_state, tOrP)
 
             if const_expr(self.separate_o):
@@ -782,11 +801,24 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def mask_scores(self, ctx, acc_S_mn, n_block):
+    def mask_scores(self, ctx, acc_S_mn, n_block, tail_only: cutlass.Constexpr = False):
         """key j visible to query i iff j < Sk, (right bound) j <= i + Sk - Sq + win_right and
-        (left bound) j >= i + Sk - Sq - win_left; column indices relative to the block."""
+        (left bound) j >= i + Sk - Sq - win_left, and j in one of the row's key ranges; column
+        indices relative to the block. ``tail_only``: j < Sk alone (a block-sparse full entry,
+        where the caller promises the predicate, can still hold the key tail)."""
         BM, BN = self.tile_m, self.tile_n
         col0 = n_block * BN
+        if const_expr(tail_only):
+            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                if ctx.tScS_mn[0, c][1] >= ctx.seqlen_k - col0:
+                    for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                        acc_S_mn[r, c] = -Float32.inf
+        else:
+            self.mask_predicate(ctx, acc_S_mn, col0)
+
+    @cute.jit
+    def mask_predicate(self, ctx, acc_S_mn, col0):
+        BM = self.tile_m
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             row = ctx.m_block * BM + ctx.tScS_mn[r, 0][0]
             limit = ctx.seqlen_k - col0
@@ -807,15 +839,22 @@ class FlashFwdSm90:
             apply_key_ranges(acc_S_mn, ctx.tScS_mn, col0, ctx.kr, self.num_key_ranges)
 
     @cute.jit
-    def maybe_mask(self, ctx, acc_S_mn, n_block, masked):
+    def maybe_mask(self, ctx, acc_S_mn, n_block, masked, pred=True):
         """Mask if ``masked``: a Python bool (dense configs: decided at trace time) or a run-time
-        Boolean (key ranges / block-sparse)."""
+        Boolean (key ranges / block-sparse). Block-sparse: ``pred`` (run time: the block is a CSR
+        mask entry) selects the element predicate, else only the key tail (full entries)."""
         if const_expr(isinstance(masked, bool)):
             if const_expr(masked):
                 self.mask_scores(ctx, acc_S_mn, n_block)
         else:
             if masked:
-                self.mask_scores(ctx, acc_S_mn, n_block)
+                if const_expr(self.block_sparse):
+                    if pred:
+                        self.mask_scores(ctx, acc_S_mn, n_block)
+                    else:
+                        self.mask_scores(ctx, acc_S_mn, n_block, True)
+                else:
+                    self.mask_scores(ctx, acc_S_mn, n_block)
 
     @cute.jit
     def apply_softcap(self, ctx, acc_S):
@@ -883,7 +922,7 @@ class FlashFwdSm90:
 
     # ---- without intra-warpgroup overlap -------------------------------------------------------
     @cute.jit
-    def one_block(self, ctx, masked, n_block, kv_state):
+    def one_block(self, ctx, masked, n_block, kv_state, pred=True):
         ctx.pipe_k.consumer_wait(kv_state)
         self.sched_sync(ctx)
         acc_S = self.qk(ctx, kv_state)
@@ -892,7 +931,7 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        self.maybe_mask(ctx, acc_S_mn, n_block, masked)
+        self.maybe_mask(ctx, acc_S_mn, n_block, masked, pred)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)
         self.rescale_O(ctx, corr)
@@ -908,21 +947,22 @@ class FlashFwdSm90:
 
     # ---- with intra-warpgroup overlap ----------------------------------------------------------
     @cute.jit
-    def first_half_block(self, ctx, n_block, kv_state, tOrP):
-        """S, mask and softmax of the first (always masked) block; its P V runs in the next step."""
+    def first_half_block(self, ctx, n_block, kv_state, tOrP, masked=True, pred=True):
+        """S, mask and softmax of the first block (dense: always masked); its P V runs in the
+        next step."""
         ctx.pipe_k.consumer_wait(kv_state)
         acc_S = self.qk(ctx, kv_state)
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        self.mask_scores(ctx, acc_S_mn, n_block)
+        self.maybe_mask(ctx, acc_S_mn, n_block, masked, pred)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)  # O is still zero: no rescale needed
         self.convert_P(acc_S, tOrP)
 
     @cute.jit
-    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP):
+    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP, pred=True):
         kv_state_v = kv_state.clone()   # V of the previous block
         kv_state.advance()              # K of this block
         ctx.pipe_k.consumer_wait(kv_state)
@@ -936,7 +976,7 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        self.maybe_mask(ctx, acc_S_mn, n_block, masked)
+        self.maybe_mask(ctx, acc_S_mn, n_block, masked, pred)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)
         warpgroup.wait_group(0)         # P V done: tOrP and O may be touched again
