@@ -178,3 +178,17 @@ def test_sm90_kernel_persists_across_processes(tmp_path):
     (src / "kernel.py").write_text("VERSION = 2\n")
     b = _child(cache_dir, src)
     assert (b["compiles"], b["loads"]) == (1, 0) and b["path"] != a["path"]
+
+
+def test_dsl_settings_are_part_of_the_fingerprint(cache_env, monkeypatch):
+    key = ("k", "sm_90a")
+    cc._fingerprints.clear()
+    base = CompileCache().path_for(key)
+    cc._fingerprints.clear()
+    monkeypatch.setenv("CUTE_DSL_LINEINFO", "1")
+    assert CompileCache().path_for(key).parent != base.parent
+    cc._fingerprints.clear()
+    monkeypatch.delenv("CUTE_DSL_LINEINFO")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")  # in the key already, not in the folder
+    assert CompileCache().path_for(key) == base
+    cc._fingerprints.clear()

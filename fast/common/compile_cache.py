@@ -13,9 +13,10 @@ later process loads it with ``cute.runtime.load_module`` instead of tracing and 
 
 * ``$DUALATTN_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/dualattn`` (default ``~/.cache/dualattn``);
   ``DUALATTN_CACHE_DIR=off`` (or ``0``/``none``/``false``/``disabled``) keeps the cache in memory only.
-* One subdirectory per *fingerprint*: entry format, DSL version, python version, platform and a
-  hash of every kernel source file (all ``*.py`` under ``fast/``); an edited kernel or another
-  DSL gets a fresh folder, so a stale binary is never loaded. Old folders can be deleted freely.
+* One subdirectory per *fingerprint*: entry format, DSL version, python version, platform, the
+  ``CUTE_DSL_*`` settings and a hash of every kernel source file (all ``*.py`` under ``fast/``);
+  an edited kernel or another DSL gets a fresh folder, so a stale binary is never loaded. Old
+  folders can be deleted freely.
 * File name: the key's readable tag (kernel name and arch) plus a hash of ``repr(key)``. Keys
   must have a stable repr (tuples of str/int/bool/float/None/dataclasses); a key whose repr holds
   an object address (``at 0x``) is kept in memory only.
@@ -69,6 +70,11 @@ def source_fingerprint(roots=(_FAST_ROOT,)) -> str:
         return hit
     h = hashlib.sha256(_FORMAT)
     h.update(f"dsl={_dsl_version()};py={sys.version_info[:2]};{sys.platform}".encode())
+    # DSL switches that can change the generated code (line info, opt level, ...); the target
+    # arch is in every key already and logging does not touch the code
+    for name, value in sorted(os.environ.items()):
+        if name.startswith("CUTE_DSL_") and name != "CUTE_DSL_ARCH" and "LOG" not in name:
+            h.update(f"{name}={value};".encode())
     for root in roots:
         files = sorted(root.rglob("*.py")) if root.is_dir() else [root]
         for f in files:
