@@ -15,9 +15,15 @@ One CTA computes a (tile_m = 128) x Dv block of O for one (query block, query he
   (reusing Q's buffer) and stores it with one TMA store, which clips the tail rows.
 
 Key blocks are visited from the last to the first, so the blocks that need masking (the
-sequence tail and, for causal, the diagonal) come first and the rest run without mask arithmetic.
-Bottom-right causal blocks past the diagonal are never loaded. A query tile whose rows see no key
-writes O = 0 and LSE = -inf.
+sequence tail and, for causal, the diagonal) come first, those crossing a left window edge come
+last, and the rest run without mask arithmetic. Bottom-right causal blocks past the diagonal (and
+blocks left of a window) are never loaded. A query tile whose rows see no key writes O = 0 and
+LSE = -inf.
+
+Variants (compile-time flags, see __init__): varlen (cu_seqlens; O through shared memory with
+row-predicated stores instead of the TMA store), key ranges and block-sparse (a per-tile visit
+plan computed identically by the producer warp and each consumer warp; a run-time mask decision
+per key tile), head dims with Dv != D.
 
 GQA: the kernel maps query head h to KV head h // (Hq // Hkv) when it builds the K/V views.
 Sequence lengths, batch and head counts are dynamic (one compile serves every shape).
@@ -234,8 +240,8 @@ class FlashFwdSm90:
         if const_expr(self.persistent):
             # one CTA per SM (shared memory allows one), each walking tiles with a stride
             grid = (cutlass.min(self.num_tiles(mQ, vl), num_sms), 1, 1)
-        # varlen stores O from registers with a row predicate (a TMA store of a tile would
-        # write past a sequence's end into the next one), so it gets the plain gmem tensor
+        # varlen copies O from shared memory with row-predicated stores (a TMA store of a tile
+        # would write past a sequence's end into the next one), so it gets the plain gmem tensor
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O,
             mO if const_expr(self.varlen) else tma_O, mLSE,
