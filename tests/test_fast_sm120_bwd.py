@@ -134,6 +134,29 @@ def test_deterministic_window_varlen_bitwise():
     _run_and_check(call, bitwise_reruns=2)
 
 
+# the tuning hook (DUALATTN_SM120_BWD_TILES) may pick any of these, and the benchmark compares them:
+# each schedule (two-stage, one-stage with dS^T over dO, one-stage with its own dS^T tile), 16 and
+# 32 key rows per warp, 4 and 8 warps and both grid orders must be right, not only the table's picks
+ALT_TILES = ["64:64,128,256,4,2,0", "64:64,64,128,2,2,0,1", "64:32,128,128,2,2,0,1", "64:32,256,256,2,2,0",
+             "64:128,128,256,4,1,0,1", "128:64,128,256,2,1,1,1", "128:32,128,256,2,2,1"]
+
+
+@pytest.mark.parametrize("tiles", ALT_TILES)
+@gpu_test
+def test_tile_configs(tiles, monkeypatch):
+    monkeypatch.setenv("DUALATTN_SM120_BWD_TILES", tiles)
+    D = int(tiles.split(":")[0])
+    from dualattn.fast.sm120.bwd import BwdTileConfig, bwd_tile_config
+    v = [int(x) for x in tiles.split(":")[1].split(",")]
+    assert bwd_tile_config(D) == BwdTileConfig(*v[:5], bool(v[5]), len(v) > 6 and bool(v[6]))
+    for causal in (False, True):
+        _run_and_check(build_dense(*_qkv(2, 333, 300, 4, 2, D, torch.bfloat16, seed=D), causal=causal,
+                                   return_lse=True))
+    call = build_dense(*_qkv(1, 250, 390, 4, 1, D, torch.float16, seed=5), causal=True, deterministic=True,
+                       return_lse=True)
+    _run_and_check(call, bitwise_reruns=2)
+
+
 @gpu_test
 def test_autograd_through_api():
     # impl="fast" serves a training call end to end through torch.autograd

@@ -1,14 +1,21 @@
 """FlashAttention-2 backward on warp-level mma.sync (SM80 class), sized for SM120's 99 KB of smem.
 
 One CTA owns one key block (tile_n keys) of one KV head of one batch entry and keeps K, V and the
-fp32 dK/dV accumulators resident for its whole life. It walks every query head of the GQA group
-and, per head, every query block that can see the key block (causal/window bounds, inverted):
+fp32 dK/dV accumulators resident for its whole life (each warp owns tile_n / warps key rows). It
+walks every query head of the GQA group and, per head, every query block that can see the key
+block (causal/window bounds, inverted):
 
     wait Q[m], dO[m] (cp.async) -> S^T = K Q^T, dP^T = V dO^T (keys on the M side)
     -> P^T = exp2(S^T * scale*log2e - LSE2), dS^T = P^T (dP^T - delta) * scale   (fp32 registers)
     -> dV += P^T dO, dK += dS^T Q (P^T / dS^T reused from the accumulator registers as A operand)
-    -> dS^T to smem -> issue cp.async of Q[m+1], dO[m+1] -> dQ[m] = dS K (ldmatrix.trans of both)
-    -> fp32 atomics into the global dQ accumulator
+    -> dS^T to smem -> dQ[m] = dS K (ldmatrix.trans of both) -> fp32 atomics into the dQ accumulator
+
+Loads overlap the math in one of two schedules (the tile config picks, see bwd_tile_config):
+* two stages: Q, dO, LSE2, delta of step m+1 are issued into the other stage at the top of step m,
+  so they land during all of step m's math;
+* one stage with dS^T over dO (hd128, where K + V leave no room for a second stage): dO[m] is
+  issued at the top of step m and lands while S^T = K Q^T runs; once dV and dK are done, Q[m+1]
+  is issued and dS^T is written where dO was, and both overlap the dQ product and its atomics.
 
 GQA: the query heads of a group are looped inside the CTA (dK/dV stay in registers across them)
 instead of writing per-query-head fp32 partials and reducing: no extra HBM traffic or buffer of
@@ -19,11 +26,11 @@ query block) semaphore for the rank of its key block among the key blocks that v
 block (dualattn.sparse.compute_lock_values semantics; for the dense/causal/window ranges here the
 visitors of query block m are the contiguous n_block_range(m), so the rank is n - n_min(m)), then
 releases rank + 1. Summation order is then fixed (bitwise reproducible), and a CTA only ever waits
-for a lower key block of the same (batch, KV head), which is earlier in the grid's launch order, so
-it cannot deadlock.
+for a lower key block of the same (batch, KV head), which is earlier in the grid's launch order (in
+either grid order), so it cannot deadlock.
 
-Delta (rowsum(dO * O)), the log2-domain LSE and the fp32 -> dtype conversion of dQ are elementwise,
-memory-bound and done by torch on the host side (impl/bwd host code).
+FlashBwdPreprocess (one memory-bound pass before the main kernel): delta = rowsum(dO * O) and the
+log2-domain LSE. The fp32 -> dtype conversion of dQ stays a torch cast on the host side.
 """
 from __future__ import annotations
 
@@ -48,11 +55,12 @@ SMEM_LIMIT_SM120 = 99 * 1024
 @dataclass(frozen=True)
 class BwdTileConfig:
     tile_m: int      # query rows per inner step
-    tile_n: int      # keys per CTA (16 per warp: warps split the key rows of S^T, dK, dV)
+    tile_n: int      # keys per CTA (16 or 32 per warp: warps split the key rows of S^T, dK, dV)
     num_threads: int
     dq_warps_m: int  # warp grid (dq_warps_m, warps / dq_warps_m) of the dQ = dS K product
     stages: int = 1  # smem stages of Q, dO, LSE2, delta: 2 loads the next query block during this one
     ds_in_do: bool = False  # dS^T is written over the dO stage just consumed (needs tile_n == head_dim)
+    n_slowest: bool = False  # grid order: key blocks slowest (else fastest), see FlashBwdSm80.__call__
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Bytes of the kernel's shared-memory struct (tiles are 1024-byte aligned, rows 16)."""
@@ -65,25 +73,32 @@ class BwdTileConfig:
         return b + 2 * al(4 * self.stages * self.tile_m, 16)                  # LSE2, delta
 
 
-# Tile table. 128 keys per CTA, 8 warps (16 key rows each): dK and dV stay in registers
-# (2 * 16 * D / 32 fp32 per thread), so the query step and the smem stages share what is left of
-# 99 KB after K and V:
-#   hd 64 : 64 x 128, Q/dO/LSE/delta double-buffered (the next query block loads during this
-#           one), dS^T in its own tile: 80 KB.
-#   hd 128: K + V take 64 KB. 64 x 128 single-buffered with dS^T written over the dO tile once
-#           dV is done (96 KB); dO of the next step loads while S^T = K Q^T runs, Q while dQ runs.
-#           (32 x 128 double-buffered also fits at 96 KB: half the work per barrier.)
-# DUALATTN_SM120_BWD_TILES="128:64,128,256,2,1,1;64:..." overrides entries by head dim (tuning).
+# Tile table. dK and dV of a warp's key rows stay in fp32 registers for the CTA's life; what the
+# kernel mostly waits on is shared-memory bandwidth (every warp ldmatrix-loads all of Q, dO for
+# its S^T, dP^T, dV, dK products), so the more key rows a warp owns, the fewer bytes per FLOP.
+#   hd 64 : 32 x 256, 8 warps of 32 key rows (128 fp32 dK/dV registers per thread), Q/dO/LSE/
+#           delta double-buffered, dS^T in its own tile: 96 KB. H100, bf16, 16k tokens: 0.90-0.99x
+#           FA2 (64 x 128 with 16-row warps: 0.75-0.80x; 32 x 128 with 4 warps: 0.81-1.00x).
+#   hd 128: 32 key rows per warp would need 256 dK/dV registers, so 16; K + V take 64 KB;
+#           64 x 128 single-buffered with dS^T written over the dO tile once dV is done (96 KB):
+#           dO of a step loads while S^T = K Q^T runs, the next Q while dQ runs. H100: 0.74-0.82x
+#           FA2 (32 x 128 double-buffered, also 96 KB: 0.73-0.80x).
+# Grid order (n_slowest): with key blocks slowest the longest causal CTAs start first and the CTAs
+# running together belong to different heads (their dQ atomics spread out); with key blocks
+# fastest the running CTAs share their head's Q/dO in L2. Each entry uses the order it was
+# measured fastest with (hd128 at 2k: 0.74 against 0.66 with key blocks slowest).
+# DUALATTN_SM120_BWD_TILES="128:64,128,256,2,1,1,0;64:..." overrides entries by head dim (tuning):
+# tile_m, tile_n, threads, dq_warps_m, stages, ds_in_do[, n_slowest].
 def bwd_tile_config(head_dim: int) -> BwdTileConfig:
     for entry in os.environ.get("DUALATTN_SM120_BWD_TILES", "").split(";"):
         if entry.strip():
             hd, cfg = entry.split(":")
             if int(hd) == head_dim:
                 v = [int(x) for x in cfg.split(",")]
-                return BwdTileConfig(v[0], v[1], v[2], v[3], v[4], bool(v[5]))
+                return BwdTileConfig(v[0], v[1], v[2], v[3], v[4], bool(v[5]), bool(v[6]) if len(v) > 6 else False)
     if head_dim <= 64:
-        return BwdTileConfig(64, 128, 256, 4, 2, False)
-    return BwdTileConfig(64, 128, 256, 2, 1, True)
+        return BwdTileConfig(32, 256, 256, 2, 2, False, True)
+    return BwdTileConfig(64, 128, 256, 2, 1, True, False)
 
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -115,7 +130,8 @@ class FlashBwdSm80:
         self.deterministic = deterministic
         self.vec_red = vec_red  # red.global.add.v2.f32 (sm_90+): half the dQ atomic requests
         warps = self.num_threads // 32
-        assert self.tile_n == 16 * warps, "each warp owns 16 key rows"
+        # each warp owns tile_n / warps key rows (16 or 32): its rows of S^T, dP^T, dK, dV
+        assert self.tile_n % (16 * warps) == 0 and self.tile_n // warps in (16, 32)
         assert self.tile_m % (16 * cfg.dq_warps_m) == 0
         assert head_dim % (16 * (warps // cfg.dq_warps_m)) == 0
         assert head_dim % 64 == 0
@@ -182,7 +198,14 @@ class FlashBwdSm80:
         wn = warps // wm
         mma_q = cute.make_tiled_mma(warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)), (wm, wn, 1),
                                     permutation_mnk=(wm * 16, wn * 16, 16))
-        grid = (cute.ceil_div(seqlen_k, self.tile_n), heads_kv, num_batch)
+        # n_slowest: CTAs start in order of their key block, so under a causal mask the longest (first
+        # key blocks: every query block sees them) start first and the short ones fill the tail, and
+        # the CTAs running at once belong to different heads; otherwise the key blocks of one head
+        # run together and share its Q/dO in L2
+        if cutlass.const_expr(self.cfg.n_slowest):
+            grid = (heads_kv, num_batch, cute.ceil_div(seqlen_k, self.tile_n))
+        else:
+            grid = (cute.ceil_div(seqlen_k, self.tile_n), heads_kv, num_batch)
         self.kernel(mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE, mDelta, mSem, mCuQ, mCuK, seqlen_q, seqlen_k,
                     heads_q, heads_kv, lse_stride_h, lse_stride_b, win_left, win_right, n_mblocks,
                     scale_log2, scale, sq_layout, sk_layout, sds_layout, g2s, s2g, mma_kv, mma_q, Smem).launch(
@@ -204,7 +227,10 @@ class FlashBwdSm80:
         # single stage with dS^T over dO: dO of a step can only load once the previous dQ read dS
         do_at_top = self.stages == 1 and self.ds_in_do
         tidx, _, _ = cute.arch.thread_idx()
-        n_block, head_kv, batch = cute.arch.block_idx()
+        bx, by, bz = cute.arch.block_idx()
+        n_block, head_kv, batch = bx, by, bz
+        if cutlass.const_expr(self.cfg.n_slowest):
+            head_kv, batch, n_block = bx, by, bz
         group = heads_q // heads_kv
         q_start, seqlen_q = seq_bounds(batch, seqlen_q_arg, mCuQ, self.varlen)
         k_start, seqlen_k = seq_bounds(batch, seqlen_k_arg, mCuK, self.varlen)

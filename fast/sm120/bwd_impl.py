@@ -1,9 +1,9 @@
 """Host side of the fast-sm120 backward: what it serves, compile key, preprocess, launch, postprocess.
 
-Preprocess (torch, elementwise and memory-bound): delta = rowsum(dO * O) in fp32 and the LSE in
-log2 units with -inf (rows that see no key) turned into +inf, so exp2(s - lse2) is 0 there instead
-of NaN; both in the LSE layout. dQ is accumulated in an fp32 buffer by atomics (zeroed first) and
-converted to the output dtype afterwards.
+Preprocess (bwd.FlashBwdPreprocess, one pass over O and dO): delta = rowsum(dO * O) in fp32 and
+the LSE in log2 units with -inf (rows that see no key) turned into +inf, so exp2(s - lse2) is 0
+there instead of NaN; both in the LSE layout. dQ is accumulated in an fp32 buffer by atomics
+(zeroed first by torch) and converted to the output dtype afterwards (a torch cast).
 """
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ def backward_reason(spec) -> Optional[str]:
         return "backward: block-sparse not supported"
     if bwd_tile_config(spec.head_dim).smem_bytes(spec.head_dim) > SMEM_LIMIT_SM120:
         return "backward: tile does not fit 99 KB of shared memory"
+    cfg = bwd_tile_config(spec.head_dim)
+    if spec.batch > 65535 or (cfg.n_slowest and -(-spec.seqlen_k // cfg.tile_n) > 65535) or (
+            not cfg.n_slowest and spec.num_heads_kv > 65535):
+        return "backward: grid limit (batch, KV heads or key blocks over 65535)"
     if spec.batch * spec.num_heads_q * -(-max(spec.seqlen_q, 1) // 32) > 2 ** 31 - 1:
         return "backward: too many (batch, head, query block) semaphores for 32-bit indexing"
     return None
