@@ -26,6 +26,8 @@ import struct
 import threading
 from typing import List, Sequence, Tuple
 
+import torch
+
 _CTYPES = {"i32": ctypes.c_int32, "i64": ctypes.c_int64, "f32": ctypes.c_float,
            "ptr": ctypes.c_void_p}
 # the same layout as a struct-module format (native alignment): one pack_into call per launch
@@ -206,3 +208,12 @@ class DirectLauncher:
             arr[i] = p
         slot.launch[self] = arr
         return arr
+
+
+def current_stream(device):
+    """The current CUDA stream of ``device`` as a CUstream (the cheap raw query where torch has it)."""
+    import cuda.bindings.driver as cuda
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    handle = raw(idx) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return cuda.CUstream(handle)

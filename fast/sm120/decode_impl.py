@@ -23,7 +23,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
-from dualattn.fast.sm90 import _current_stream  # the cheap raw-stream query
+from dualattn.fast.common.launch_args import current_stream as _current_stream
 
 from .decode import DecodeConfig, FlashDecodeSm80, decode_config
 from .impl import SUPPORTED_ARCHS, _cutlass_dtype, window_bounds

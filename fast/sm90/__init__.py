@@ -27,6 +27,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
+from dualattn.fast.common.launch_args import DirectLauncher, current_stream as _current_stream
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -80,15 +81,6 @@ def _num_sms(device) -> int:
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]
-
-
-def _current_stream(device):
-    """The current CUDA stream of ``device`` as a CUstream (the cheap raw query where torch has it)."""
-    import cuda.bindings.driver as cuda
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    handle = raw(idx) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-    return cuda.CUstream(handle)
 
 
 class FastSm90Forward:
@@ -263,7 +255,7 @@ class FastSm90Forward:
         key = self.compile_key(spec, arch)
         fn = self.cache.get(key, lambda: self.compile_for(spec, arch))
         tail = (*self.runtime_scalars(spec), _num_sms(device))
-        hit = (fn, self.arg_schema(spec).pack, tail)
+        hit = (DirectLauncher(fn), self.arg_schema(spec).pack, tail)
         if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
             self._entries.clear()
         self._entries[ek] = hit
