@@ -85,10 +85,14 @@ def _gathered_new(call, b):
     return call.k[b, n:n + m], call.v[b, n:n + m]
 
 
-def run_and_check(call, repeat_bitwise=True):
+def run_and_check(call, repeat_bitwise=True, refused=None):
+    """``refused``: a word the dispatcher's refusal must contain; the kernel is then driven directly."""
     impl = _impl()
     reason = impl.can_implement(call.spec)
-    assert reason is None, reason
+    if refused is None:
+        assert reason is None, reason
+    else:
+        assert reason is not None and refused in reason, reason
     sp = call.spec
     out0 = torch.full((sp.batch, sp.seqlen_q, sp.num_heads_q, sp.head_dim_v), float("nan"), device="cuda",
                       dtype=sp.dtype)
@@ -156,9 +160,9 @@ def test_decode_window_causal(window, causal, sq):
 @gpu_test
 def test_decode_several_row_tiles(d, sq, hq, hkv):
     # 64 / 48 packed rows: two 32-row tiles per KV head (the second one partial), each with its own
-    # causal/window key range
+    # causal/window key range. can_implement refuses these until this test has passed on a GPU
     run_and_check(make_call([3, 400, 1000], d=d, sq=sq, hq=hq, hkv=hkv, causal=True, window=(200, -1),
-                            page_size=64, seed=sq))
+                            page_size=64, seed=sq), refused="more than one")
 
 
 @gpu_test
@@ -318,3 +322,15 @@ def test_num_splits_choice():
     # sm_120 (99 KB per SM): one CTA per SM; 170 SMs, b8: 64 pairs x 3 splits = 192 > 170 slots ...
     s = choose_num_splits(_spec(batch=8, seqlen_k=32768, **big), cfg, 170, 100 * 1024)
     assert 64 * s / (-(-64 * s // 170) * 170) >= 0.9
+
+
+def test_impl_refuses_more_than_one_row_tile():
+    """Over 32 packed rows per KV head the kernel needs several row tiles, a path not yet run on a
+    GPU: the registered implementation refuses it (Triton serves it) while one tile is served."""
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120.decode_impl import FastSm120Decode
+    impl = FastSm120Decode()
+    many = impl.can_implement(_spec(seqlen_q=5, num_heads_q=16, num_heads_kv=2))  # 40 rows
+    assert many is not None and "more than one" in many
+    one = impl.can_implement(_spec(seqlen_q=4, num_heads_q=16, num_heads_kv=2))   # 32 rows
+    assert one is None or "more than one" not in one

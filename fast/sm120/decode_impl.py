@@ -129,6 +129,11 @@ class FastSm120Decode:
             return "q over 2**31 elements (32-bit indexing)"
         if spec.batch * spec.num_heads_kv > _I32_MAX or num_m_tiles(spec, cfg) > 65535 or splits > 65535:
             return "grid limit: too many packed query rows per KV head or splits"
+        if num_m_tiles(spec, cfg) > 1:
+            # the kernel has the path (tests/test_fast_sm120_decode.py drives it directly), but it
+            # has not run on a GPU yet: until it has, such calls go to Triton
+            return (f"{spec.seqlen_q * spec.gqa_ratio} packed query rows per KV head (Sq x Hq/Hkv) need "
+                    f"more than one {cfg.tile_m}-row tile, not GPU-verified yet")
         if spec.device_type != "cuda":
             return f"needs CUDA tensors, got {spec.device_type}"
         arch = dispatch.device_arch()
