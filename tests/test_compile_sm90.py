@@ -106,8 +106,6 @@ def test_window_and_softcap_configs_compile(kw):
     (dict(d=80), "head dim"),
     (dict(dtype=torch.float32), "dtype"),
     (dict(dv=64), "head dims"),
-    (dict(block_size=(128, 128), causal=True), "block-sparse combined with causal"),
-    (dict(block_size=(128, 128), window=(100, 0)), "block-sparse combined with causal or a window"),
 ])
 def test_refuses_with_reason(kw, word):
     kw = dict(kw)
@@ -263,10 +261,14 @@ FEATURE_CONFIGS = [
     ("batched", 256, False, dict(num_key_ranges=2, softcap=10.0)),
     ("varlen", 128, False, dict(num_key_ranges=2)),
     ("batched", 128, False, dict(block_size=(128, 128))),
-    ("batched", 192, False, dict(block_size=(128, 128))),
+    ("batched", 192, True, dict(block_size=(128, 128))),
     ("batched", 256, False, dict(block_size=(256, 128), num_key_ranges=1)),
     ("batched", 96, False, dict(block_size=(128, 64))),
     ("varlen", 128, False, dict(block_size=(128, 64))),
+    # block-sparse with causal / a window (full entries skip the predicate, mask entries apply it)
+    ("batched", 64, True, dict(block_size=(128, 256))),
+    ("batched", 128, True, dict(block_size=(128, 128), window=(200, 0))),
+    ("varlen", 256, True, dict(block_size=(128, 128))),
 ]
 
 

@@ -84,8 +84,8 @@ _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
 
 
 # varlen: (name, seqlens_q, seqlens_k, Hq, Hkv, D, causal, kw); lengths include 0 and 1
-# (cases fast-sm90 refuses, varlen d96/d192 and block-sparse with causal/window, run on the
-# fast kernel that serves them: the record names it; they are the reproducers for sm90's fix)
+# (cases fast-sm90 refuses, varlen d96/d192, run on the fast kernel that serves them: the
+# record names it; they are the reproducers for sm90's fix)
 VARLEN_CASES = []
 for _c in (False, True):
     for _d in (64, 128, 256):

@@ -116,14 +116,11 @@ class FastSm90Forward:
             return f"head dim {spec.head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})"
         if spec.needs_grad:
             return "no SM90 backward kernel yet (forward only)"
-        # the two limits below come from the H100 run of tests/test_fast_sm90.py: these cases
+        # the limit below comes from the H100 run of tests/test_fast_sm90.py: these cases
         # failed the accuracy rule and await a GPU-verified fix (see fast/sm90/README.md)
         if spec.mode == "varlen" and (spec.head_dim, spec.head_dim_v) not in VARLEN_HEAD_DIMS:
             return (f"varlen with head dims ({spec.head_dim}, {spec.head_dim_v}) not supported yet "
                     f"(varlen serves {sorted(VARLEN_HEAD_DIMS)})")
-        if spec.has_block_sparse and (spec.causal or spec.window != (-1, -1)):
-            return ("block-sparse combined with causal or a window not supported yet (only the "
-                    "CSR alone, or with key ranges / softcap)")
         if spec.num_key_ranges > MAX_KEY_RANGES:
             return (f"at most {MAX_KEY_RANGES} key ranges per row (intervals are held in "
                     f"registers), got {spec.num_key_ranges}")

@@ -845,17 +845,26 @@ class FlashFwdSm90:
             apply_key_ranges(acc_S_mn, ctx.tScS_mn, col0, ctx.kr, self.num_key_ranges)
 
     @cute.jit
-    def maybe_mask(self, ctx, acc_S_mn, n_block, masked, pred=True):
+    def maybe_mask(self, ctx, acc_S_mn, n_block, masked, csr_mask_entry=True):
         """Mask if ``masked``: a Python bool (dense configs: decided at trace time) or a run-time
-        Boolean (key ranges / block-sparse). Block-sparse: ``pred`` (run time: the block is a CSR
-        mask entry) selects the element predicate, else only the key tail (full entries)."""
+        Boolean (key ranges / block-sparse). Block-sparse: ``csr_mask_entry`` (run time: the
+        block is a CSR mask entry) selects the element predicate, else only the key tail (full
+        entries).
+
+        Never name a variable ``pred`` in code that a run-time ``if`` reads: the DSL's AST
+        preprocessor (nvidia-cutlass-dsl 4.8.1) turns ``if c:`` into ``def if_region(pred):``
+        and only renames that parameter away from names the body *assigns*, so a ``pred`` the
+        body merely reads is shadowed by the outer condition. That is how this selector, once
+        called ``pred``, became ``masked`` and full CSR entries holding the key tail got the
+        causal/window predicate (the H100 failures of bs-*-causal; test_sm90_visit_plan.py
+        runs this code on the CPU and checks the names)."""
         if const_expr(isinstance(masked, bool)):
             if const_expr(masked):
                 self.mask_scores(ctx, acc_S_mn, n_block)
         else:
             if masked:
                 if const_expr(self.block_sparse):
-                    if pred:
+                    if csr_mask_entry:
                         self.mask_scores(ctx, acc_S_mn, n_block)
                     else:
                         self.mask_scores(ctx, acc_S_mn, n_block, True)
@@ -928,7 +937,7 @@ class FlashFwdSm90:
 
     # ---- without intra-warpgroup overlap -------------------------------------------------------
     @cute.jit
-    def one_block(self, ctx, masked, n_block, kv_state, pred=True):
+    def one_block(self, ctx, masked, n_block, kv_state, csr_mask_entry=True):
         ctx.pipe_k.consumer_wait(kv_state)
         self.sched_sync(ctx)
         acc_S = self.qk(ctx, kv_state)
@@ -937,7 +946,7 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        self.maybe_mask(ctx, acc_S_mn, n_block, masked, pred)
+        self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)
         self.rescale_O(ctx, corr)
@@ -953,7 +962,8 @@ class FlashFwdSm90:
 
     # ---- with intra-warpgroup overlap ----------------------------------------------------------
     @cute.jit
-    def first_half_block(self, ctx, n_block, kv_state, tOrP, masked=True, pred=True):
+    def first_half_block(self, ctx, n_block, kv_state, tOrP, masked=True,
+                         csr_mask_entry=True):
         """S, mask and softmax of the first block (dense: always masked); its P V runs in the
         next step."""
         ctx.pipe_k.consumer_wait(kv_state)
@@ -962,13 +972,13 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        self.maybe_mask(ctx, acc_S_mn, n_block, masked, pred)
+        self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)  # O is still zero: no rescale needed
         self.convert_P(acc_S, tOrP)
 
     @cute.jit
-    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP, pred=True):
+    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP, csr_mask_entry=True):
         kv_state_v = kv_state.clone()   # V of the previous block
         kv_state.advance()              # K of this block
         ctx.pipe_k.consumer_wait(kv_state)
@@ -982,7 +992,7 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        self.maybe_mask(ctx, acc_S_mn, n_block, masked, pred)
+        self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)
         warpgroup.wait_group(0)         # P V done: tOrP and O may be touched again
