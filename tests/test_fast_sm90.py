@@ -208,6 +208,8 @@ for _c in (False, True):
     _bs_case("odd", 1, 1, 1, 2, 2, 128, (128, 128), _c)
     _bs_case("q239k1", 1, 239, 1, 2, 1, 64, (128, 128), _c)
 _bs_case("win", 2, 600, 600, 4, 2, 128, (128, 128), True, window=(200, 0))
+# both window bounds, no causal (full entries on the key tail: tests/test_sm90_visit_plan.py)
+_bs_case("win2", 2, 600, 450, 2, 2, 64, (128, 128), False, window=(150, 40))
 _bs_case("softcap", 1, 400, 400, 2, 2, 64, (128, 128), False, softcap=15.0)
 _bs_case("random", 2, 300, 517, 4, 2, 192, (128, 128), True, dv=128)
 

@@ -40,9 +40,10 @@ except ImportError:  # the pure-Python model tests still run
 TILE_M = 128
 
 
-def _bs_call(name, B, Sq, Sk, H, Hkv, D, block, causal, **kw):
+def _bs_call(name, B, Sq, Sk, H, Hkv, D, block, causal, dv=None, **kw):
     """The CSR of tests/test_fast_sm90.py's ``_bs_case`` (same seed: the case name)."""
-    full = f"bs-{name}-{block[0]}x{block[1]}-d{D}{'-causal' if causal else ''}"
+    full = (f"bs-{name}-{block[0]}x{block[1]}-d{D}{f'-dv{dv}' if dv else ''}"
+            f"{'-causal' if causal else ''}")
     nq, nk = -(-Sq // block[0]), -(-Sk // block[1])
     g = torch.Generator().manual_seed(sum(map(ord, full)))
     states = torch.randint(0, 3, (B, H, nq, nk), generator=g, dtype=torch.int8)
@@ -50,7 +51,8 @@ def _bs_call(name, B, Sq, Sk, H, Hkv, D, block, causal, **kw):
     bs = BlockSparse.from_block_states(states, block[0], block[1], Sq, Sk)
     q = torch.zeros(B, Sq, H, D, dtype=torch.bfloat16)
     k = torch.zeros(B, Sk, Hkv, D, dtype=torch.bfloat16)
-    return full, build_dense(q, k, k.clone(), causal=causal, block_sparse=bs, return_lse=True, **kw)
+    v = torch.zeros(B, Sk, Hkv, dv or D, dtype=torch.bfloat16)
+    return full, build_dense(q, k, v, causal=causal, block_sparse=bs, return_lse=True, **kw)
 
 
 def _varlen_bs_call(lens_q, lens_k, H, Hkv, D, causal, block=(128, 128)):
@@ -80,6 +82,7 @@ def _cases():
         out.append(_varlen_bs_call([300, 0, 1, 517, 129], [517, 5, 1, 300, 0], 4, 2, 128, c))
         out.append(_varlen_bs_call([300, 1, 129], [517, 1, 400], 2, 1, 256, c))
     out.append(_bs_call("win", 2, 600, 600, 4, 2, 128, (128, 128), True, window=(200, 0)))
+    out.append(_bs_call("random", 2, 300, 517, 4, 2, 192, (128, 128), True, dv=128))
     # not in the H100 run: a window with both bounds and no causal, and a left bound alone
     out.append(_bs_call("win2", 2, 600, 450, 2, 2, 64, (128, 128), False, window=(150, 40)))
     out.append(_bs_call("winl", 1, 333, 600, 2, 1, 128, (128, 256), False, window=(90, -1)))
@@ -93,6 +96,7 @@ H100_FAILED = {
     "bs-random-128x128-d192-causal", "bs-random-128x128-d256-causal",
     "bs-random-256x64-d128-causal", "bs-random-128x256-d96-causal", "bs-q239k1-128x128-d64-causal",
     "bs-win-128x128-d128-causal", "varlen-bs-d128-causal", "varlen-bs-d256-causal",
+    "bs-random-128x128-d192-dv128-causal",
 }
 # where the H100 report put the largest output error: (batch, row, head); varlen: (seq, local
 # row, head). The buggy plan must get each of these rows wrong.
@@ -102,9 +106,11 @@ H100_OUT_ERRORS = {
     "bs-random-256x64-d128-causal": (0, 291, 3), "bs-random-128x256-d96-causal": (0, 493, 1),
     "bs-q239k1-128x128-d64-causal": (0, 0, 0), "bs-win-128x128-d128-causal": (0, 335, 0),
     "varlen-bs-d128-causal": (3, 429 - 301, 2), "varlen-bs-d256-causal": (0, 210, 1),
+    "bs-random-128x128-d192-dv128-causal": (1, 173, 3),
 }
 # LSE = -inf where the oracle sees keys, as reported: (batch, head, row)
-H100_EMPTY_ROWS = {"bs-random-128x256-d96-causal": (0, 1, 256), "bs-q239k1-128x128-d64-causal": (0, 0, 0)}
+H100_EMPTY_ROWS = {"bs-random-128x256-d96-causal": (0, 1, 256),
+                   "bs-q239k1-128x128-d64-causal": (0, 0, 0)}
 
 
 def _sequences(call):
@@ -240,8 +246,8 @@ def test_kernel_sources_do_not_read_a_name_the_dsl_generates():
     hits = []
     for path in sorted(list((root / "sm90").glob("*.py")) + list((root / "common").glob("*.py"))):
         for node in ast.walk(ast.parse(path.read_text())):
-            name = node.id if isinstance(node, ast.Name) else node.arg if isinstance(node, ast.arg) else None
-            if name == "pred":
+            if isinstance(node, ast.Name) and node.id == "pred" or \
+                    isinstance(node, ast.arg) and node.arg == "pred":
                 hits.append(f"{path.name}:{node.lineno}")
     assert not hits, f"identifier 'pred' in CuTe DSL kernel code: {hits}"
 
