@@ -44,8 +44,11 @@ TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (8
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
 # K (48 KB) + V (32 KB) at tile_n 128 = 208 KB: the wider key tile of hd128 fits.
 TILE_CONFIG_DV = {(192, 128): (128, 2)}
-# varlen head dims verified on the GPU; 96 and 192 failed there on the second query tile
-VARLEN_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
+# varlen head dims. 96 and 192 failed on the H100 (rows 128+ of a sequence): the varlen O store's
+# thread layout did not tile 128 rows at Dv 96 / 192 and wrote the next query tile's first rows
+# from shared memory past O (flash_fwd.o_store_threads); fixed, GPU run pending on this branch
+VARLEN_HEAD_DIMS = frozenset({(64, 64), (96, 96), (128, 128), (192, 192), (256, 256),
+                              (192, 128)})
 
 
 def _tile_config(head_dim: int, head_dim_v: int):
