@@ -31,7 +31,7 @@ def test_batched_matches_oracle(case):
 # no tokens at all, with gradients (the oracle's autograd.grad had no graph to differentiate)
 @example(case=Case("varlen", (0,), (0,), 2, 1, 32, 32, "float32", backward=True))
 # found by the gpu profile on an H100: fast-sm90 varlen at d96 (non-causal) was wrong from the
-# second 128-row query tile on; sm90 now refuses varlen at d96/d192
+# second 128-row query tile on (O store thread split; fixed in flash_fwd.o_store_threads)
 @example(case=Case("varlen", (0, 182, 0, 31), (0, 182, 0, 31), 4, 1, 96, 96, "float16",
                    max_seqlen_q=182, max_seqlen_k=183))
 def test_varlen_matches_oracle(case):

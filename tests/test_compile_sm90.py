@@ -225,32 +225,109 @@ def test_sm90_packed_args_build_the_right_tensors(causal, window, softcap):
 
 # ---- varlen (cu_seqlens) ----
 
-VARLEN_CONFIGS = [(128, False), (64, True), (256, True)]
+VARLEN_CONFIGS = [(128, 128, False), (64, 64, True), (256, 256, True), (96, 96, False),
+                  (192, 192, True), (192, 128, False)]
 
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("d,causal", VARLEN_CONFIGS, ids=[f"d{d}-{c}" for d, c in VARLEN_CONFIGS])
-def test_varlen_compiles_with_masked_store(d, causal):
-    spec = AttentionSpec("varlen", 3, 300, 500, 8, 2, d, d, torch.bfloat16, "cuda", causal=causal)
+@pytest.mark.parametrize("d,dv,causal", VARLEN_CONFIGS,
+                         ids=[f"d{d}-dv{dv}-{c}" for d, dv, c in VARLEN_CONFIGS])
+def test_varlen_compiles_with_masked_store(d, dv, causal):
+    spec = AttentionSpec("varlen", 3, 300, 500, 8, 2, d, dv, torch.bfloat16, "cuda", causal=causal)
     assert FastSm90Forward.can_implement_static(spec) is None
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
     # O leaves through row-predicated 16-byte st.global from shared memory (no TMA store, which
-    # would cross sequence ends): 128 rows x d / 8 chunks over 256 threads
+    # would cross sequence ends): 128 rows x dv / 8 vectors, exactly split over 256 threads (at
+    # dv 96 / 192 the old layout issued 7 / 13 stores, the extra ones past row 127)
     assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
-    assert ptx.count("st.global.v4") == (128 * d // 8) // 256
+    assert (128 * dv // 8) % 256 == 0
+    assert ptx.count("st.global.v4") == (128 * dv // 8) // 256
+
+
+@pytest.mark.parametrize("width", [16])
+def test_varlen_o_store_threads_tile_exactly(width):
+    """The (rows, threads per row) split of the varlen O store tiles 128 x Dv exactly."""
+    from dualattn.fast.sm90.flash_fwd import o_store_threads
+    vec = 128 // width
+    for dv in range(16, 513, 16):
+        rows, tpr = o_store_threads(dv, width)
+        assert rows * tpr == 256 and 128 % rows == 0 and dv % (tpr * vec) == 0
+        assert (128 // rows) * (dv // (tpr * vec)) * 256 * vec == 128 * dv  # every element once
+    # the head dims whose old split (Dv / 8 threads per row) did not divide 128 rows
+    assert o_store_threads(96, width) == (64, 4) and o_store_threads(192, width) == (32, 8)
+    # power-of-two head dims keep one thread per vector of a row (the mapping GPU-tested before)
+    for dv in (64, 128, 256):
+        assert o_store_threads(dv, width) == (256 * vec // dv, dv // vec)
+
+
+_O_STORE_MAPS = {}
+
+
+def _o_store_map(dv):
+    """The kernel's own varlen O-store tiled copy evaluated at trace time for all 256 consumer
+    threads: {thread: {(m, k): [(row, col) of the vector's elements]}} with (m, k) the (row step,
+    column step) modes that store_O_rows indexes, its row predicate read at [0, m, 0]."""
+    import cutlass.cute as cute
+    from dualattn.fast.sm90.flash_fwd import FlashFwdSm90
+    kern = FlashFwdSm90(cutlass.BFloat16, dv, dv, False, 64, 2, varlen=True)
+
+    @cute.jit
+    def trace():
+        tiled = kern.o_store_tiled_copy()
+        out = {}
+        for t in cutlass.range_constexpr(256):
+            tOcO = tiled.get_slice(t).partition_S(cute.make_identity_tensor((kern.tile_m, dv)))
+            steps = {}
+            for m in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
+                for k in cutlass.range_constexpr(cute.size(tOcO, mode=[2])):
+                    elems = []
+                    for e in cutlass.range_constexpr(cute.size(tOcO, mode=[0])):
+                        elems.append(tOcO[e, m, k])
+                    steps[(m, k)] = elems
+            out[t] = steps
+        _O_STORE_MAPS[dv] = (out, cute.size(tiled))
+
+    cute.compile(trace, options="--gpu-arch sm_90a")
+    return _O_STORE_MAPS[dv]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dv", [96, 192, 64, 128, 256])
+def test_varlen_o_store_writes_each_element_of_the_tile_once(dv):
+    """CPU model of the varlen epilogue's thread -> (row, vector) mapping, from the kernel's own
+    tiled copy: every element of the 128 x Dv tile is written by exactly one (thread, step), as
+    one 16-byte vector of 8 consecutive columns, and no row >= 128 is touched (the H100 failures
+    at Dv 96 / 192: rows 128.. of a sequence, the next query tile's, overwritten with shared
+    memory from past O's tile by the CTA of the tile before)."""
+    threads, nthr = _o_store_map(dv)
+    assert nthr == 256
+    seen = {}
+    for t, steps in threads.items():
+        assert len(steps) == 128 * dv // 8 // 256  # as many vectors per thread: none idle
+        for (m, k), elems in steps.items():
+            r0, c0 = elems[0]
+            assert len(elems) == 8 and c0 % 8 == 0
+            assert elems == [(r0, c0 + e) for e in range(8)], (t, m, k, elems)
+            # store_O_rows predicates step m on row tOcO[0, m, 0]: the same row for every k
+            assert steps[(m, 0)][0][0] == r0
+            assert 0 <= r0 < 128 and c0 + 8 <= dv, (t, m, k, r0, c0)
+            assert (r0, c0) not in seen, f"({r0}, {c0}) written by threads {seen[(r0, c0)]} and {t}"
+            seen[(r0, c0)] = t
+    assert len(seen) == 128 * dv // 8
 
 
 def test_varlen_refusals_and_kvcache():
     spec = AttentionSpec("kvcache", 1, 1, 64, 4, 4, 128, 128, torch.bfloat16, "cuda")
     assert "kvcache" in FastSm90Forward.can_implement_static(spec)
-    # varlen head dims that failed on the H100 are refused (auto falls back to Triton)
-    for d, dv in ((96, 96), (192, 192), (192, 128)):
+    # every head-dim pair the kernel has is served varlen (96 / 192 since the O-store fix)
+    for d, dv in ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128)):
         spec = AttentionSpec("varlen", 3, 300, 500, 8, 2, d, dv, torch.bfloat16, "cuda")
-        assert "varlen with head dims" in FastSm90Forward.can_implement_static(spec)
+        assert FastSm90Forward.can_implement_static(spec) is None
 
 
 # ---- key ranges and block-sparse ----

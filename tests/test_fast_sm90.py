@@ -84,8 +84,6 @@ _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
 
 
 # varlen: (name, seqlens_q, seqlens_k, Hq, Hkv, D, causal, kw); lengths include 0 and 1
-# (cases fast-sm90 refuses, varlen d96/d192, run on the fast kernel that serves them: the
-# record names it; they are the reproducers for sm90's fix)
 VARLEN_CASES = []
 for _c in (False, True):
     for _d in (64, 128, 256):
@@ -106,6 +104,13 @@ for _c in (False, True):
                          4, 2, 192, _c, {}))
 VARLEN_CASES.append(("varlen-dv128-d192-causal", [130, 0, 1, 257], [129, 3, 1, 256], 4, 2, 192,
                      True, {"dv": 128}))
+# several 128-row query tiles per sequence at the head dims whose O store used to overwrite the
+# next tile's first rows (a race: the tile that stores last wins), and the props gpu profile's find
+for _d, _dv in ((96, 96), (192, 192), (192, 128)):
+    VARLEN_CASES.append((f"varlen-multitile-d{_d}-dv{_dv}", [517, 300, 129, 1000], [600, 300, 200, 64],
+                         4, 2, _d, False, {"dv": _dv}))
+VARLEN_CASES.append(("varlen-props-d96-fp16", [0, 182, 0, 31], [0, 182, 0, 31], 4, 1, 96, False,
+                     {"dtype": "float16"}))
 VARLEN_CASES.append(("varlen-nokeys-d64", [5, 17], [0, 0], 2, 2, 64, False, {}))
 VARLEN_CASES.append(("varlen-10docs-d128-causal", [409] * 9 + [415], [409] * 9 + [415], 4, 4, 128,
                      True, {}))

@@ -44,8 +44,7 @@ TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (8
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
 # K (48 KB) + V (32 KB) at tile_n 128 = 208 KB: the wider key tile of hd128 fits.
 TILE_CONFIG_DV = {(192, 128): (128, 2)}
-# varlen head dims verified on the GPU; 96 and 192 failed there on the second query tile
-VARLEN_HEAD_DIMS = frozenset({(64, 64), (128, 128), (256, 256)})
+
 
 
 def _tile_config(head_dim: int, head_dim_v: int):
@@ -116,11 +115,6 @@ class FastSm90Forward:
             return f"head dim {spec.head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})"
         if spec.needs_grad:
             return "no SM90 backward kernel yet (forward only)"
-        # the limit below comes from the H100 run of tests/test_fast_sm90.py: these cases
-        # failed the accuracy rule and await a GPU-verified fix (see fast/sm90/README.md)
-        if spec.mode == "varlen" and (spec.head_dim, spec.head_dim_v) not in VARLEN_HEAD_DIMS:
-            return (f"varlen with head dims ({spec.head_dim}, {spec.head_dim_v}) not supported yet "
-                    f"(varlen serves {sorted(VARLEN_HEAD_DIMS)})")
         if spec.num_key_ranges > MAX_KEY_RANGES:
             return (f"at most {MAX_KEY_RANGES} key ranges per row (intervals are held in "
                     f"registers), got {spec.num_key_ranges}")

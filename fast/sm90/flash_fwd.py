@@ -88,6 +88,28 @@ def _acc_as_frg_a_layout(acc_layout: cute.Layout) -> cute.Layout:
     return cute.composition(acc_layout, cute.composition(cm, view))
 
 
+def o_store_threads(head_dim_v: int, dtype_width: int, tile_m: int = 128,
+                    num_threads: int = 256):
+    """(rows per step, threads per row) of the varlen O store (shared -> global, one 16-byte
+    vector per thread and step).
+
+    Threads per row is the largest power of two dividing the row's vector count, so that the
+    thread block tiles the (tile_m, Dv) tile exactly: rows per step divides tile_m and
+    threads per row x vector divides Dv. With one thread per vector of the row (Dv / 8 = 12 at
+    Dv 96, 24 at Dv 192) 256 threads make 21 or 10 rows per step, which do not divide 128: the
+    copy then ran over rows 128..147 (resp. 128..130), i.e. it wrote the first rows of the
+    sequence's next query tile from shared memory past O's tile, racing with the CTA that owns
+    them (the row predicate only checks the sequence's end)."""
+    vec = 128 // dtype_width
+    assert head_dim_v % vec == 0
+    chunks = head_dim_v // vec
+    tpr = min(chunks & -chunks, num_threads)  # largest power of two dividing the vector count
+    rows = num_threads // tpr
+    assert rows * tpr == num_threads and tile_m % rows == 0 and head_dim_v % (tpr * vec) == 0, \
+        (head_dim_v, dtype_width, tile_m, rows, tpr)
+    return rows, tpr
+
+
 def _frg_a_shape(acc_shape):
     """Shape of the A-operand fragment that holds P for an accumulator of shape acc_shape."""
     return ((2, 2, 2), 1, acc_shape[0][2] // 2)
@@ -782,17 +804,24 @@ class FlashFwdSm90:
                                                    self.num_key_ranges)
         return need
 
+    def o_store_tiled_copy(self):
+        """The varlen epilogue's shared -> global copy: 256 threads as (rows, tpr), row-major,
+        16 bytes (one vector) per thread and step; the copy repeats over the rest of the
+        (tile_m, Dv) tile. Called while tracing (also by the CPU test of the mapping)."""
+        rows, tpr = o_store_threads(self.head_dim_v, self.dtype.width, self.tile_m,
+                                    self.num_threads_per_wg * self.num_mma_wg)
+        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        return cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((rows, tpr), order=(1, 0)),
+            cute.make_layout((1, 128 // self.dtype.width)))
+
     @cute.jit
     def store_O_rows(self, sO, mO, offset_q, head_idx, m_block, rows_left, tidx):
         """Varlen epilogue: the 256 consumer threads copy O's first ``rows_left`` rows from shared
-        memory to the packed output, 16 bytes per thread and row chunk."""
+        memory to the packed output, 16 bytes per thread and vector; each element of the
+        (tile_m, Dv) tile belongs to exactly one thread and step (see ``o_store_threads``)."""
         BM, Dv = self.tile_m, self.head_dim_v
-        vec = 128 // self.dtype.width
-        tpr = Dv // vec  # threads per row
-        atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        tiled = cute.make_tiled_copy_tv(
-            atom, cute.make_ordered_layout((256 // tpr, tpr), order=(1, 0)),
-            cute.make_layout((1, vec)))
+        tiled = self.o_store_tiled_copy()
         thr = tiled.get_slice(tidx)
         gO = cute.local_tile(cute.domain_offset((offset_q, 0), mO[None, None, head_idx, 0]),
                              (BM, Dv), (m_block, 0))
