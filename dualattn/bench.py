@@ -13,6 +13,9 @@ The standard matrix (bf16 by default):
 * decode: 1 query token, GQA 32/8 hd128, KV cache 8k..128k, batch 1..64 (TB/s of KV read),
   timed twice: eagerly (one Python call per timed run, as every other cell) and as the replay of
   a CUDA graph that captured one call (rows ``<impl>@graph``), which is how serving runs decode.
+Docs and window cells also time each dualattn implementation on the same attention expressed as
+one batched call with an exact block-sparse CSR (rows ``<impl>+csr``), the form FlexAttention
+runs them in.
 
 For every cell each dualattn implementation whose ``can_implement`` accepts it runs next to
 the peers available in this process: cuDNN and FlashAttention-2 through torch SDPA backends,
@@ -300,9 +303,41 @@ def _dualattn_call(inp: Inputs, needs_grad: bool):
     return call
 
 
-def dualattn_runner(impl, inp: Inputs) -> Runner:
+CSR = "+csr"  # suffix of the rows that run a docs / window cell through a block-sparse CSR
+
+
+def has_csr_form(cell: Cell) -> bool:
+    """Docs and window cells are also run as block-sparse (FlexAttention's own form of them)."""
+    return cell.kind != "decode" and (bool(cell.docs) or cell.window != (-1, -1))
+
+
+def _csr_call(inp: Inputs, needs_grad: bool):
+    """The docs / window cell as one batched call over the whole sequence with the exact CSR of
+    its predicate at 128 x 128 blocks: documents as causal key ranges, the window as causal +
+    window. Full blocks skip the predicate; only the blocks it cuts apply it."""
+    from . import spec as S
+    from .masks import segments_to_key_ranges
+    from .sparse import BlockSparse
+
     c = inp.cell
-    call = _dualattn_call(inp, needs_grad=c.kind in ("bwd", "fwdbwd"))
+    n = c.seqlen_q
+    if c.docs:
+        kr = segments_to_key_ranges([doc_lengths(n, c.docs)], n, causal=c.causal, device=inp.q.device)
+        bs = BlockSparse.from_key_ranges(kr, n, n, SPARSE_BLOCK, SPARSE_BLOCK)
+        call = S.build_dense(inp.q, inp.k, inp.v, key_ranges=kr, block_sparse=bs, return_lse=True)
+    else:
+        bs = BlockSparse.from_key_ranges(None, n, c.seqlen_k, SPARSE_BLOCK, SPARSE_BLOCK, causal=c.causal,
+                                         window=c.window).to(inp.q.device)
+        call = S.build_dense(inp.q, inp.k, inp.v, causal=c.causal, window=c.window, block_sparse=bs,
+                             return_lse=True)
+    call.spec = replace(call.spec, needs_grad=needs_grad)
+    return call
+
+
+def dualattn_runner(impl, inp: Inputs, csr: bool = False) -> Runner:
+    c = inp.cell
+    make_call = _csr_call if csr else _dualattn_call
+    call = make_call(inp, needs_grad=c.kind in ("bwd", "fwdbwd"))
     why = impl.can_implement(call.spec)
     if why is not None:
         raise NotApplicable(why)
@@ -628,13 +663,15 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
             cell_results.append(r)
             if on_result:
                 on_result(r, cell_results)
-        entries = [(p, True) for p in peers] + [(i, False) for i in impls]
-        for entry, is_peer in entries:
-            name = entry if is_peer else entry.name
+        entries = [(p, True, False) for p in peers] + [(i, False, False) for i in impls]
+        if has_csr_form(cell):
+            entries += [(i, False, True) for i in impls]
+        for entry, is_peer, csr in entries:
+            name = entry if is_peer else entry.name + (CSR if csr else "")
             r = Result(cell, name, is_peer, unit=unit)
             runner = None
             try:
-                runner = peer_runner(entry, inp) if is_peer else dualattn_runner(entry, inp)
+                runner = peer_runner(entry, inp) if is_peer else dualattn_runner(entry, inp, csr=csr)
                 r.ms, r.reps = timer.time_ms(runner.fn)
                 r.rate = amount / (r.ms * 1e-3) / 1e12
                 if runner.out is not None:
@@ -672,7 +709,7 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
 # ---------------------------------------------------------------------------------------------
 
 def table_header(peers: Sequence[str]) -> str:
-    head = f"{'cell':44s} {'impl':12s} {'ms':>9s} {'rate':>8s} {'unit':7s} " \
+    head = f"{'cell':44s} {'impl':16s} {'ms':>9s} {'rate':>8s} {'unit':7s} " \
         + " ".join(f"{'vs ' + p:>9s}" for p in peers) + f" {'maxdiff':>8s}  note"
     return head + "\n" + "-" * len(head)
 
@@ -692,7 +729,7 @@ def format_row(r: Result, peers: Sequence[str], cell_results: Sequence[Result]) 
     rate = f"{r.rate:8.1f}" if r.rate is not None else f"{'-':>8s}"
     diff = f"{r.maxdiff:8.1e}" if r.maxdiff is not None else f"{'':>8s}"
     note = "" if r.status == "ok" else r.status[:90]
-    return f"{r.cell.label():44s} {r.impl:12s} {ms} {rate} {r.unit or '':7s} {' '.join(ratios)} {diff}  {note}"
+    return f"{r.cell.label():44s} {r.impl:16s} {ms} {rate} {r.unit or '':7s} {' '.join(ratios)} {diff}  {note}"
 
 
 def format_table(results: List[Result], peers: Sequence[str]) -> str:

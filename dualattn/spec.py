@@ -447,5 +447,8 @@ def build_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k_new=
     spec = AttentionSpec("kvcache", B, Sq, capacity, Hq, Hkv, D, Dv, q.dtype, q.device.type, causal,
                          window, softcap, scale, 0, None, False, bool(return_lse), paged, page_size,
                          n_new, num_splits)
+    # the kernels index both with unit strides (a strided view would read other memory)
+    cache_seqlens = cache_seqlens.contiguous()
+    page_table = page_table.contiguous() if paged else page_table
     return AttentionCall(spec, q, k_cache, v_cache, cache_seqlens=cache_seqlens, page_table=page_table,
                          k_new=k_new, v_new=v_new)

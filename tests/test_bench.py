@@ -107,7 +107,8 @@ TINY = [
 def test_run_matrix_on_cpu_with_the_oracle(tmp_path):
     impls = bench.select_impls(["torch"])
     results = bench.run_matrix(TINY, impls, [], FakeTimer(), device="cpu")
-    assert len(results) == len(TINY)
+    rows = len(TINY) + sum(bench.has_csr_form(c) for c in TINY)  # docs / window: a +csr row too
+    assert len(results) == rows
     for r in results:
         assert r.status == "ok", (r.cell.label(), r.status)
         assert r.ms == 1.0 and r.rate == pytest.approx(bench.work(r.cell)[0] / 1e-3 / 1e12)
@@ -122,7 +123,7 @@ def test_run_matrix_on_cpu_with_the_oracle(tmp_path):
     path = tmp_path / "r.json"
     bench.write_json(str(path), results, {"device": "cpu"})
     data = json.loads(path.read_text())
-    assert data["meta"]["device"] == "cpu" and len(data["results"]) == len(TINY)
+    assert data["meta"]["device"] == "cpu" and len(data["results"]) == rows
     assert data["results"][0]["cell"]["label"] == TINY[0].label()
 
 
@@ -200,3 +201,18 @@ def test_replot_from_json(tmp_path):
     out = tmp_path / "r.png"
     assert bench.main(["--replot", str(path), "--plot", str(out)]) == 0
     assert out.stat().st_size > 10_000
+
+
+def test_csr_rows_of_docs_and_window_cells_match_the_plain_call():
+    """``<impl>+csr`` runs the docs / window cell as one batched call with an exact CSR: the
+    same attention, so its forward output matches the plain (varlen / window) call's."""
+    cells = [Cell("fwd", "window", 1, 300, 300, 2, 2, 16, True, (40, 0), dtype="float32"),
+             Cell("fwd", "docs", 1, 300, 300, 2, 2, 16, True, docs=3, dtype="float32"),
+             Cell("fwd", "dense", 1, 64, 64, 2, 2, 16, True, dtype="float32")]
+    res = bench.run_matrix(cells, bench.select_impls(["torch"]), [], FakeTimer(), device="cpu")
+    csr = [r for r in res if r.impl == "torch" + bench.CSR]
+    assert [r.cell for r in csr] == cells[:2]  # the dense cell has no CSR form
+    for r in csr:
+        assert r.status == "ok", r.status
+        assert r.maxdiff is not None and r.maxdiff < 1e-5, (r.cell.label(), r.maxdiff)
+    assert "torch+csr" in bench.format_table(res, [])

@@ -182,13 +182,15 @@ class FastSm120Decode:
             lse = torch.empty(B, Hq, Sq, dtype=torch.float32, device=q.device)
         # the combine derives O's and LSE's offsets from the shapes
         assert out.is_contiguous() and lse.is_contiguous() and out.data_ptr() % 16 == 0
-        if out.numel() == 0:
-            return out, lse.fill_(-math.inf)
         page_table = call.page_table if spec.paged else call.cache_seqlens
         pt_stride = call.page_table.stride(0) if spec.paged else 0
         page_size = max(spec.page_size, 1)
-        if spec.num_new_kv:
+        if spec.num_new_kv:  # appended even when there is no output to compute (as the oracle does)
             _append(call, k, v, page_table, pt_stride, page_size)
+        if out.numel() == 0:
+            return out, lse.fill_(-math.inf)
+        if q.stride(-1) != 1:  # the kernel gathers q rows with a unit last stride
+            q = q.contiguous()
 
         fn, pack, cfg, splits, (wl, wr, scale_log2, softcap_scale, softcap) = self._entry(spec, q.device)
         # one workspace: o_part (splits, B, Hq, Sq, D) then l_part (splits, B, Hq, Sq), fp32
