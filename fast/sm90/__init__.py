@@ -47,7 +47,24 @@ TILE_CONFIG_DV = {(192, 128): (128, 2)}
 
 
 
+# Tuning hook (for sweeps against the peers, not for users): DUALATTN_SM90_TILES="128:176,2,0;64:..."
+# overrides, per head dim (D == Dv), tile_n, stages and optionally separate O (0/1) and ping-pong
+# (0/1). Every field is in the compile key, so an override never reuses another config's kernel.
+def _tile_override(head_dim: int, head_dim_v: int) -> Optional[Tuple[int, ...]]:
+    if head_dim != head_dim_v:
+        return None
+    for entry in os.environ.get("DUALATTN_SM90_TILES", "").split(";"):
+        if entry.strip():
+            hd, cfg = entry.split(":")
+            if int(hd) == head_dim:
+                return tuple(int(x) for x in cfg.split(","))
+    return None
+
+
 def _tile_config(head_dim: int, head_dim_v: int):
+    override = _tile_override(head_dim, head_dim_v)
+    if override is not None:
+        return override[0], override[1]
     return TILE_CONFIG_DV.get((head_dim, head_dim_v)) or TILE_CONFIG[head_dim]
 
 MAX_KEY_RANGES = 4  # per-row intervals held in registers
@@ -146,7 +163,13 @@ class FastSm90Forward:
         persistent = (not (spec.causal or spec.has_key_ranges or spec.has_block_sparse)) \
             if _PERSISTENT_ENV == "" else _PERSISTENT_ENV != "0"
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
-        return 128, tile_n, stages, spec.head_dim <= 128, True, persistent, separate_o
+        pingpong = spec.head_dim <= 128
+        override = _tile_override(spec.head_dim, spec.head_dim_v) or ()
+        if len(override) > 2:
+            separate_o = bool(override[2])
+        if len(override) > 3:
+            pingpong = bool(override[3])
+        return 128, tile_n, stages, pingpong, True, persistent, separate_o
 
     @staticmethod
     def mask_flags(spec) -> Tuple[bool, bool, bool]:
