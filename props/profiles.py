@@ -24,6 +24,7 @@ class Limits:
     max_blocks: int        # per side, for CSR drawn without tensors (protocol model)
     examples: int          # base max_examples; properties scale it
     watchdog_s: float      # a single implementation call longer than this is a hang
+    shards: int = 1        # the costly properties run as this many pytest items (xdist spreads them)
 
 
 PROFILES = {
@@ -32,7 +33,7 @@ PROFILES = {
                  max_blocks=6, examples=25, watchdog_s=300.0),
     # one GPU, about ten minutes: lengths that cross 64/128-row tiles and end off them
     "gpu": Limits("gpu", "cuda", max_batch=4, max_seqlen=300, max_heads_kv=4, max_gqa_ratio=8, max_key_ranges=4,
-                  max_blocks=12, examples=60, watchdog_s=240.0),
+                  max_blocks=12, examples=60, watchdog_s=240.0, shards=6),
     # long hunt; run with pytest -n <gpus> --hypothesis-show-statistics
     # the ci profile inside a process with TRITON_INTERPRET=1: the Triton interpreter runs every
     # program instance in numpy, so heads, batch and lengths stay smaller still
@@ -70,6 +71,22 @@ def select(name: str | None = None) -> Limits:
 
 def current() -> Limits:
     return _current if _current is not None else select()
+
+
+def sharded(weight: float = 1.0):
+    """For the costly properties (every impl, compiles per drawn config): ``examples(weight)``
+    split over the profile's ``shards`` pytest items, each drawing its own examples. One test
+    function held the gpu profile's whole budget of a property on one xdist worker, so four
+    properties ran past 10 minutes while 8 of 12 workers sat idle (H100 run); sharded, every
+    worker draws. The test takes a ``shard`` argument (its index, unused otherwise)."""
+    import pytest
+
+    n = current().shards
+
+    def deco(fn):
+        fn = examples(weight / n)(fn)
+        return pytest.mark.parametrize("shard", range(n), ids=[f"shard{i}of{n}" for i in range(n)])(fn)
+    return deco
 
 
 def examples(weight: float = 1.0) -> settings:

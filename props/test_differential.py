@@ -12,7 +12,7 @@ from props import strategies as S
 from props.strategies import Case
 
 
-@profiles.examples(1.5)
+@profiles.sharded(1.5)
 @given(case=S.batched_cases())
 # one query, one key: dK is exactly 0, so the rule's bound is 0 and rounding in dP - delta fails it
 @example(case=Case("batched", (1,), (1,), 1, 1, 32, 32, "float32", backward=True))
@@ -20,11 +20,11 @@ from props.strategies import Case
 @example(case=Case("batched", (1,), (1,), 2, 1, 32, 32, "float32", softcap=30.0))
 # fp32 with large logits: LSE error of the exp2/log2 domain against the fp32 oracle's
 @example(case=Case("batched", (2,), (3,), 2, 1, 96, 96, "float32", magnitude=3.0))
-def test_batched_matches_oracle(case):
+def test_batched_matches_oracle(shard, case):
     harness.assert_matches_oracle(S.materialize(case))
 
 
-@profiles.examples(1.0)
+@profiles.sharded(1.0)
 @given(case=S.varlen_cases())
 # a sequence with queries and no keys (the oracle once failed amax over zero keys)
 @example(case=Case("varlen", (2, 0, 1), (1, 1, 0), 2, 1, 32, 32, "float32", max_seqlen_q=2, max_seqlen_k=1))
@@ -34,7 +34,7 @@ def test_batched_matches_oracle(case):
 # second 128-row query tile on (O store thread split; fixed in flash_fwd.o_store_threads)
 @example(case=Case("varlen", (0, 182, 0, 31), (0, 182, 0, 31), 4, 1, 96, 96, "float16",
                    max_seqlen_q=182, max_seqlen_k=183))
-def test_varlen_matches_oracle(case):
+def test_varlen_matches_oracle(shard, case):
     harness.assert_matches_oracle(S.materialize(case))
 
 

@@ -23,9 +23,9 @@ emptying = st.one_of(
 )
 
 
-@profiles.examples(1.0)
+@profiles.sharded(1.0)
 @given(case=emptying)
-def test_rows_without_keys(case):
+def test_rows_without_keys(shard, case):
     inp = S.materialize(case)
     call = S.build_call(inp)
     dout = S.make_dout(call) if case.backward else None

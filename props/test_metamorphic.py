@@ -74,9 +74,9 @@ def dout_for(inp):
 
 # ---------------------------------------------------------------------------------------------
 
-@profiles.examples(0.6)
+@profiles.sharded(0.6)
 @given(case=st.one_of(S.batched_cases(), S.varlen_cases()))
-def test_gqa_equals_mha_with_repeated_kv(case):
+def test_gqa_equals_mha_with_repeated_kv(shard, case):
     assume(case.heads_q > case.heads_kv)
     inp = S.materialize(case)
     g = case.heads_q // case.heads_kv
@@ -102,9 +102,9 @@ def test_gqa_equals_mha_with_repeated_kv(case):
                      f"max diff {harness.max_diff(a[i], bi):.3g} > {tol:.3g}", inp, fam, dout)
 
 
-@profiles.examples(0.6)
+@profiles.sharded(0.6)
 @given(case=S.varlen_cases())
-def test_varlen_equals_each_sequence_alone(case):
+def test_varlen_equals_each_sequence_alone(shard, case):
     inp = S.materialize(case)
     dout = dout_for(inp)
     tol, _ = bounds(inp, dout)
@@ -181,9 +181,9 @@ def test_block_sparse_equals_key_ranges_equals_dense_mask(case):
                          f"{harness.max_diff(runs[0][1][i], runs[1][1][i]):.3g}", inp, fam)
 
 
-@profiles.examples(0.6)
+@profiles.sharded(0.6)
 @given(case=st.one_of(S.batched_cases(), S.varlen_cases()), data=st.data())
-def test_batch_permutation_permutes_outputs(case, data):
+def test_batch_permutation_permutes_outputs(shard, case, data):
     assume(case.batch > 1)
     perm = data.draw(st.permutations(range(case.batch)), label="perm")
     inp = S.materialize(case)

@@ -150,24 +150,24 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
             bp = b * sbp_b + h * sbp_h + n0 // BS_N
             start = tl.load(FullPtr + bp)
             end = tl.load(FullPtr + bp + 1)
-            for e in range(start, end):
-                qb = tl.load(FullCol + b * sfc_b + h * sfc_h + e)
-                for t in range(0, BS_M // BLOCK_M):
-                    dk, dv = _attn_bwd_dkdv_block(
-                        dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
-                        seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
-                        BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
-                        SOFTCAP, DOT_FP32, IEEE)
+            for i in range(start * (BS_M // BLOCK_M), end * (BS_M // BLOCK_M)):  # one flat loop: pipelined
+                qb = tl.load(FullCol + b * sfc_b + h * sfc_h + i // (BS_M // BLOCK_M))
+                t = i % (BS_M // BLOCK_M)
+                dk, dv = _attn_bwd_dkdv_block(
+                    dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
+                    seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
+                    SOFTCAP, DOT_FP32, IEEE)
             start = tl.load(MaskPtr + bp)
             end = tl.load(MaskPtr + bp + 1)
-            for e in range(start, end):
-                qb = tl.load(MaskCol + b * smc_b + h * smc_h + e)
-                for t in range(0, BS_M // BLOCK_M):
-                    dk, dv = _attn_bwd_dkdv_block(
-                        dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
-                        seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
-                        BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
-                        SOFTCAP, DOT_FP32, IEEE)
+            for i in range(start * (BS_M // BLOCK_M), end * (BS_M // BLOCK_M)):  # one flat loop: pipelined
+                qb = tl.load(MaskCol + b * smc_b + h * smc_h + i // (BS_M // BLOCK_M))
+                t = i % (BS_M // BLOCK_M)
+                dk, dv = _attn_bwd_dkdv_block(
+                    dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
+                    seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
+                    BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
+                    SOFTCAP, DOT_FP32, IEEE)
         else:
             lo, full_lo, full_hi, hi = _block_range(n0, tl.minimum(n0 + BLOCK_N, seqlen_k) - 1, seqlen_q, BLOCK_M,
                                                     -off - win_right, -off + win_left, HAS_RIGHT, HAS_LEFT,
@@ -271,26 +271,26 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
         bp = b * sbp_b + h * sbp_h + m0 // BS_M
         start = tl.load(FullPtr + bp)
         end = tl.load(FullPtr + bp + 1)
-        for e in range(start, end):
-            kb = tl.load(FullCol + b * sfc_b + h * sfc_h + e)
-            for t in range(0, BS_N // BLOCK_N):  # runtime loop (see header)
-                n0 = kb * BS_N + t * BLOCK_N
-                dq = _attn_bwd_dq_block(
-                    dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
-                    seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
-                    BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
-                    SOFTCAP, DOT_FP32, IEEE)
+        for i in range(start * (BS_N // BLOCK_N), end * (BS_N // BLOCK_N)):  # one flat loop: pipelined
+            kb = tl.load(FullCol + b * sfc_b + h * sfc_h + i // (BS_N // BLOCK_N))
+            t = i % (BS_N // BLOCK_N)
+            n0 = kb * BS_N + t * BLOCK_N
+            dq = _attn_bwd_dq_block(
+                dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
+                BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
+                SOFTCAP, DOT_FP32, IEEE)
         start = tl.load(MaskPtr + bp)
         end = tl.load(MaskPtr + bp + 1)
-        for e in range(start, end):
-            kb = tl.load(MaskCol + b * smc_b + h * smc_h + e)
-            for t in range(0, BS_N // BLOCK_N):  # runtime loop (see header)
-                n0 = kb * BS_N + t * BLOCK_N
-                dq = _attn_bwd_dq_block(
-                    dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
-                    seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
-                    BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
-                    SOFTCAP, DOT_FP32, IEEE)
+        for i in range(start * (BS_N // BLOCK_N), end * (BS_N // BLOCK_N)):  # one flat loop: pipelined
+            kb = tl.load(MaskCol + b * smc_b + h * smc_h + i // (BS_N // BLOCK_N))
+            t = i % (BS_N // BLOCK_N)
+            n0 = kb * BS_N + t * BLOCK_N
+            dq = _attn_bwd_dq_block(
+                dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
+                BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
+                SOFTCAP, DOT_FP32, IEEE)
     else:
         off = seqlen_k - seqlen_q
         lo, full_lo, full_hi, hi = _block_range(m0, tl.minimum(m0 + BLOCK_M, seqlen_q) - 1, seqlen_k, BLOCK_N,
