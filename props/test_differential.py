@@ -20,6 +20,11 @@ from props.strategies import Case
 @example(case=Case("batched", (1,), (1,), 2, 1, 32, 32, "float32", softcap=30.0))
 # fp32 with large logits: LSE error of the exp2/log2 domain against the fp32 oracle's
 @example(case=Case("batched", (2,), (3,), 2, 1, 96, 96, "float32", magnitude=3.0))
+# found by the gpu profile on an H100: Triton fp32 GQA backward, dV 1.2-1.4x over the bound (flat
+# softmax, q/k std 0.1); errors of 1-2 ulps of dV, from the order of the fp32 sums and the GPU's
+# approximate exp2 (the CPU interpreter passes). Open: README, "Known limits"
+@example(case=Case("batched", (24,), (24,), 3, 1, 32, 32, "float32", backward=True, magnitude=0.1))
+@example(case=Case("batched", (159,), (159,), 2, 1, 32, 32, "float32", backward=True, magnitude=0.1))
 def test_batched_matches_oracle(shard, case):
     harness.assert_matches_oracle(S.materialize(case))
 
@@ -34,6 +39,11 @@ def test_batched_matches_oracle(shard, case):
 # second 128-row query tile on (O store thread split; fixed in flash_fwd.o_store_threads)
 @example(case=Case("varlen", (0, 182, 0, 31), (0, 182, 0, 31), 4, 1, 96, 96, "float16",
                    max_seqlen_q=182, max_seqlen_k=183))
+# found by the gpu profile on an H100: Triton fp32 GQA dV 2x over the bound where 7 heads x 98 rows
+# sum onto one key (a plain fp32 accumulator drifts by sqrt(blocks) roundings); dV's sums are now
+# compensated for fp32 inputs (reference/triton/common._accumulate)
+@example(case=Case("varlen", (0, 154, 0, 98), (0, 0, 2, 1), 14, 2, 64, 64, "float32", softcap=1.0, scale=0.05,
+                   backward=True, max_seqlen_q=154, max_seqlen_k=2))
 def test_varlen_matches_oracle(shard, case):
     harness.assert_matches_oracle(S.materialize(case))
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _block_range, _dot, _element_mask, _masked_block, _scores, _sequence_bounds
+from .common import _accumulate, _block_range, _dot, _element_mask, _masked_block, _scores, _sequence_bounds
 from .launch import Launch, last_dim_contiguous
 
 
@@ -58,13 +58,14 @@ def _attn_bwd_preprocess(O, DO, Lse, Delta, Lse2, CuQ, so_b, so_s, so_h, sdo_b, 
 
 
 @triton.jit
-def _attn_bwd_dkdv_block(dk, dv, k, v, q_tile, do_tile, lse2_tile, delta_tile, sq_s, sdo_s, offs_n, m0,
+def _attn_bwd_dkdv_block(dk, dv, dk_c, dv_c, k, v, q_tile, do_tile, lse2_tile, delta_tile, sq_s, sdo_s, offs_n, m0,
                          seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_tile, skr_s, skr_r,
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                          HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, MASK: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_KR: tl.constexpr,
                          SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    """Inner loop body of the dK/dV pass: add query rows m0 .. m0+BLOCK_M into (dk, dv).
+    """Inner loop body of the dK/dV pass: add query rows m0 .. m0+BLOCK_M into (dk, dv)
+    (compensated by (dk_c, dv_c) for fp32 inputs, see common._accumulate).
 
     Works on transposed scores (keys x queries) so that dK and dV come out as plain products.
     ``*_tile`` point at query row 0 of the sequence and head. MASK: 0 none, 1 query bound only,
@@ -92,13 +93,13 @@ def _attn_bwd_dkdv_block(dk, dv, k, v, q_tile, do_tile, lse2_tile, delta_tile, s
         vis = _element_mask(offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, win_left, win_right,
                             kr_tile + offs_m[None, :] * skr_s, skr_r, HAS_LEFT, HAS_RIGHT, NUM_KR)
         pT = tl.where(vis, pT, 0.0)
-    dv += _dot(pT.to(do.dtype), do, DOT_FP32, IEEE)
+    dv, dv_c = _accumulate(dv, dv_c, _dot(pT.to(do.dtype), do, DOT_FP32, IEEE), IEEE)
     dpT = _dot(v, tl.trans(do), DOT_FP32, IEEE)
     dsT = pT * (dpT - delta[None, :])
     if SOFTCAP:
         dsT = dsT * (1.0 - tT * tT)
-    dk += _dot(dsT.to(qT.dtype), tl.trans(qT), DOT_FP32, IEEE)
-    return dk, dv
+    dk, dk_c = _accumulate(dk, dk_c, _dot(dsT.to(qT.dtype), tl.trans(qT), DOT_FP32, IEEE), IEEE)
+    return dk, dv, dk_c, dv_c
 
 
 @triton.jit
@@ -135,6 +136,12 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
                 mask=key_in[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    if IEEE:  # fp32 inputs: compensation terms of the sums over the group's heads and query blocks
+        dk_c = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv_c = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    else:  # 16-bit inputs: plain sums; one-element placeholders pass through untouched
+        dk_c = tl.zeros([1, 1], tl.float32)
+        dv_c = tl.zeros([1, 1], tl.float32)
     # key j sees query i iff j - off - right <= i <= j - off + left (the forward rule, transposed)
     off = seqlen_k - seqlen_q
     for g in range(0, gqa):
@@ -153,8 +160,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
             for i in range(start * (BS_M // BLOCK_M), end * (BS_M // BLOCK_M)):  # one flat loop: pipelined
                 qb = tl.load(FullCol + b * sfc_b + h * sfc_h + i // (BS_M // BLOCK_M))
                 t = i % (BS_M // BLOCK_M)
-                dk, dv = _attn_bwd_dkdv_block(
-                    dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
+                dk, dv, dk_c, dv_c = _attn_bwd_dkdv_block(
+                    dk, dv, dk_c, dv_c, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
                     seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
                     SOFTCAP, DOT_FP32, IEEE)
@@ -163,8 +170,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
             for i in range(start * (BS_M // BLOCK_M), end * (BS_M // BLOCK_M)):  # one flat loop: pipelined
                 qb = tl.load(MaskCol + b * smc_b + h * smc_h + i // (BS_M // BLOCK_M))
                 t = i % (BS_M // BLOCK_M)
-                dk, dv = _attn_bwd_dkdv_block(
-                    dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
+                dk, dv, dk_c, dv_c = _attn_bwd_dkdv_block(
+                    dk, dv, dk_c, dv_c, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
                     seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                     SOFTCAP, DOT_FP32, IEEE)
@@ -173,14 +180,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
                                                     -off - win_right, -off + win_left, HAS_RIGHT, HAS_LEFT,
                                                     NUM_KR > 0)
             for blk in range(full_lo, full_hi):
-                dk, dv = _attn_bwd_dkdv_block(
-                    dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, blk * BLOCK_M,
+                dk, dv, dk_c, dv_c = _attn_bwd_dkdv_block(
+                    dk, dv, dk_c, dv_c, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, blk * BLOCK_M,
                     seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 0, HAS_LEFT, HAS_RIGHT, NUM_KR,
                     SOFTCAP, DOT_FP32, IEEE)
             for t in range(0, (full_lo - lo) + (hi - full_hi)):
-                dk, dv = _attn_bwd_dkdv_block(
-                    dk, dv, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n,
+                dk, dv, dk_c, dv_c = _attn_bwd_dkdv_block(
+                    dk, dv, dk_c, dv_c, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n,
                     _masked_block(t, lo, full_lo, full_hi) * BLOCK_M,
                     seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
@@ -193,13 +200,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
 
 
 @triton.jit
-def _attn_bwd_dq_block(dq, q, do, lse2, delta, k_tile, v_tile, sk_s, sv_s, rows, n0,
+def _attn_bwd_dq_block(dq, dq_c, q, do, lse2, delta, k_tile, v_tile, sk_s, sv_s, rows, n0,
                        seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, MASK: tl.constexpr,
                        HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_KR: tl.constexpr,
                        SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
-    """Inner loop body of the dQ pass: add key block n0 .. n0+BLOCK_N into dq (MASK as forward)."""
+    """Inner loop body of the dQ pass: add key block n0 .. n0+BLOCK_N into dq (MASK as forward;
+    compensated by dq_c for fp32 inputs)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -224,8 +232,8 @@ def _attn_bwd_dq_block(dq, q, do, lse2, delta, k_tile, v_tile, sk_s, sv_s, rows,
     ds = p * (dp - delta[:, None])
     if SOFTCAP:
         ds = ds * (1.0 - t * t)
-    dq += _dot(ds.to(kT.dtype), tl.trans(kT), DOT_FP32, IEEE)
-    return dq
+    dq, dq_c = _accumulate(dq, dq_c, _dot(ds.to(kT.dtype), tl.trans(kT), DOT_FP32, IEEE), IEEE)
+    return dq, dq_c
 
 
 @triton.jit
@@ -267,6 +275,10 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
     v_seq = V + bb * sv_b + k0 * sv_s + hk * sv_h
     kr_ptrs = KR + bb * skr_b + h * skr_h + q0 * skr_s + offs_m[:, None] * skr_s
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if IEEE:  # fp32 inputs: compensation term of the sum over the key blocks
+        dq_c = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    else:
+        dq_c = tl.zeros([1, 1], tl.float32)
     if HAS_BS:
         bp = b * sbp_b + h * sbp_h + m0 // BS_M
         start = tl.load(FullPtr + bp)
@@ -275,8 +287,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
             kb = tl.load(FullCol + b * sfc_b + h * sfc_h + i // (BS_N // BLOCK_N))
             t = i % (BS_N // BLOCK_N)
             n0 = kb * BS_N + t * BLOCK_N
-            dq = _attn_bwd_dq_block(
-                dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+            dq, dq_c = _attn_bwd_dq_block(
+                dq, dq_c, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -286,8 +298,8 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
             kb = tl.load(MaskCol + b * smc_b + h * smc_h + i // (BS_N // BLOCK_N))
             t = i % (BS_N // BLOCK_N)
             n0 = kb * BS_N + t * BLOCK_N
-            dq = _attn_bwd_dq_block(
-                dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+            dq, dq_c = _attn_bwd_dq_block(
+                dq, dq_c, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -297,15 +309,15 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
                                                 off - win_left, off + win_right, HAS_LEFT, HAS_RIGHT, NUM_KR > 0)
         for blk in range(full_lo, full_hi):
             n0 = blk * BLOCK_N
-            dq = _attn_bwd_dq_block(
-                dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+            dq, dq_c = _attn_bwd_dq_block(
+                dq, dq_c, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 0, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
         for t in range(0, (full_lo - lo) + (hi - full_hi)):
             n0 = _masked_block(t, lo, full_lo, full_hi) * BLOCK_N
-            dq = _attn_bwd_dq_block(
-                dq, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+            dq, dq_c = _attn_bwd_dq_block(
+                dq, dq_c, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)

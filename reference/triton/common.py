@@ -54,6 +54,27 @@ def _dot(a, b, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _accumulate(acc, comp, x, COMPENSATED: tl.constexpr):
+    """``acc += x`` across the blocks of a loop; returns (acc, comp).
+
+    COMPENSATED (fp32 inputs): Kahan summation, ``comp`` holding the low-order part lost so far.
+    A plain fp32 accumulator adds one rounding per block at the magnitude of the running sum, so
+    a dK/dV row summed over every query block of every head of a GQA group drifts by ~sqrt(blocks)
+    roundings: on the H100 that broke the accuracy rule for fp32 dV (props gpu profile, e.g. 7 heads
+    x 154 rows onto one key). 16-bit inputs keep the plain form (their rounding dominates), which
+    Triton fuses into the dot's accumulator; ``comp`` then passes through untouched.
+    """
+    if COMPENSATED:
+        y = x - comp
+        t = acc + y
+        comp = (t - acc) - y
+        acc = t
+    else:
+        acc += x
+    return acc, comp
+
+
+@triton.jit
 def _sequence_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
     """Where sequence ``b`` starts and how long it is. Varlen: rows cu[b]..cu[b+1] of the packed
     (total, H, D) tensors; batched: row 0 and the given lengths. The starts and the batch index come

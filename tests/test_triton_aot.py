@@ -1,0 +1,71 @@
+"""The Triton backward kernels compiled for sm_90 without a GPU (Triton's own ptxas), in the CPU CI.
+
+The interpreter runs the kernels' Python, not their compiled form; this proves the GPU build:
+the dK/dV and dQ kernels assemble for Hopper in bf16 and fp32, and the fp32 build keeps the
+compensated (Kahan) sums of reference/triton/common._accumulate (the compiler must not fold
+``(t - acc) - y`` away), while the 16-bit build carries none of them (its only per-block
+accumulation stays fused into the dot).
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - older Triton layouts
+    GPUTarget = ASTSource = None
+
+from dualattn.reference.triton import backward as B
+
+INT_POINTERS = {"CuQ", "CuK", "KR", "FullPtr", "FullCol", "MaskPtr", "MaskCol"}
+FP32_POINTERS = {"Lse2", "Delta"}
+FLOAT_SCALARS = {"qk_scale", "softcap", "sm_scale"}
+NUM_WARPS = 8
+
+
+def _signature(fn, dtype: str):
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name[0].isupper():  # tensors are the capitalised parameters
+            sig[p.name] = "*" + ("i32" if p.name in INT_POINTERS else "fp32" if p.name in FP32_POINTERS else dtype)
+        else:
+            sig[p.name] = "fp32" if p.name in FLOAT_SCALARS else "i32"
+    return sig
+
+
+def _f32_add_sub(fn, dtype: str, **tiles) -> int:
+    consts = dict(HEAD_D=128, HEAD_DV=128, BLOCK_D=128, BLOCK_DV=128, IS_VARLEN=False, HAS_LEFT=False,
+                  HAS_RIGHT=True, NUM_KR=0, HAS_BS=False, BS_M=128, BS_N=128, SOFTCAP=False, DOT_FP32=False,
+                  IEEE=dtype == "fp32", **tiles)
+    try:
+        k = triton.compile(ASTSource(fn=fn, signature=_signature(fn, dtype), constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS, "num_stages": 2})
+    except Exception as e:  # no CUDA backend / ptxas in this Triton build: nothing to prove here
+        if "ptxas" in str(e) or "backend" in str(e).lower():
+            pytest.skip(f"Triton cannot build for sm_90 here: {e}")
+        raise
+    ptx = re.sub(r"//[^\n]*", "", k.asm["ptx"])
+    assert ".target sm_90" in ptx
+    return len(re.findall(r"\b(?:add|sub)(?:\.rn)?\.f32\b", ptx))
+
+
+@pytest.mark.skipif(GPUTarget is None, reason="this Triton has no ahead-of-time compile API")
+@pytest.mark.parametrize("kernel, tiles, accumulators, acc_rows, acc_cols", [
+    ("_attn_bwd_dkdv", dict(BLOCK_M=64, BLOCK_N=128), 2, 128, 128),
+    ("_attn_bwd_dq", dict(BLOCK_M=128, BLOCK_N=64), 1, 128, 128),
+])
+def test_backward_builds_for_sm90_with_compensated_fp32_sums(kernel, tiles, accumulators, acc_rows, acc_cols):
+    fn = getattr(B, kernel)
+    plain = _f32_add_sub(fn, "bf16", **tiles)
+    compensated = _f32_add_sub(fn, "fp32", **tiles)
+    # Kahan: 4 adds/subs per accumulator element per inlined block visit (the full-block and the
+    # masked-block loops each inline one), per thread
+    per_thread = accumulators * acc_rows * acc_cols // (32 * NUM_WARPS)
+    assert compensated - plain >= 4 * per_thread, (plain, compensated)
