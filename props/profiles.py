@@ -32,7 +32,7 @@ PROFILES = {
     "ci": Limits("ci", "cpu", max_batch=3, max_seqlen=40, max_heads_kv=2, max_gqa_ratio=8, max_key_ranges=3,
                  max_blocks=6, examples=25, watchdog_s=300.0),
     # one GPU, about ten minutes: lengths that cross 64/128-row tiles and end off them. H100 run
-    # (pytest -n 14): with examples=60, 21 of the 51 items had finished after 400 s (CuTe and Triton
+    # (pytest -n 14): with examples=60, 21 of the 48 items had finished after 400 s (CuTe and Triton
     # compiles of each drawn config dominate), so 30 is the estimate for ~10 minutes
     "gpu": Limits("gpu", "cuda", max_batch=4, max_seqlen=300, max_heads_kv=4, max_gqa_ratio=8, max_key_ranges=4,
                   max_blocks=12, examples=30, watchdog_s=240.0, shards=6),
