@@ -138,12 +138,23 @@ def run(impl, inp: Inputs, call=None, dout=None):
         inp = inp.clone_cache()
         call = None
     call = call if call is not None else build_call(inp, needs_grad=dout is not None)
-    with watchdog(call, impl, backward=dout is not None, dout=dout):
-        out, lse = impl.forward(call)
-        grads = (None, None, None)
-        if dout is not None:
-            grads = impl.backward(call, out, lse, dout)
-        sync(inp.q.device)
+    try:
+        with watchdog(call, impl, backward=dout is not None, dout=dout):
+            out, lse = impl.forward(call)
+            grads = (None, None, None)
+            if dout is not None:
+                grads = impl.backward(call, out, lse, dout)
+            sync(inp.q.device)
+    except Exception as e:
+        # an implementation that accepted the call and then raised (a compile error, a CUDA error, a
+        # refusal that can_implement did not announce) is a failure like a wrong number: it leaves a
+        # repro too (an H100 gpu-profile failure of this kind left none and was lost with the log)
+        try:
+            path = save(call, impl.family, backward=dout is not None, dout=dout, tag="error")
+            e.add_note(f"{impl.name} raised on {call.spec.short()}; repro: python -m dualattn diff {path}")
+        except Exception as save_error:  # the original error matters more than the file
+            e.add_note(f"{impl.name} raised on {call.spec.short()}; repro not saved: {save_error}")
+        raise
     return (out, lse) + tuple(grads), call
 
 

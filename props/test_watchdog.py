@@ -39,3 +39,24 @@ def test_watchdog_quiet_when_in_time():
         pass
     time.sleep(0.05)
     assert not fired.is_set() and not messages
+
+
+class _Raiser:
+    name, family = "raiser", "torch"
+
+    def forward(self, call):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+@pytest.mark.device_free
+def test_an_implementation_that_raises_leaves_a_repro(tmp_path, monkeypatch):
+    monkeypatch.setenv("DUALATTN_REPRO_DIR", str(tmp_path))
+    case = S.Case("batched", (3,), (5,), 2, 1, 32, 32, "float32")
+    inp = S.materialize(case, "cpu")
+    with pytest.raises(RuntimeError, match="illegal memory access") as info:
+        harness.run(_Raiser(), inp)
+    notes = getattr(info.value, "__notes__", [])
+    assert notes and notes[0].startswith("raiser raised on ")
+    path = notes[0].rsplit("diff ", 1)[1]
+    replayed, impl, backward, _ = debug.load_repro(path)
+    assert replayed.spec.short() == S.build_call(inp).spec.short() and impl == "torch" and not backward
