@@ -1,7 +1,8 @@
-"""The Triton backward kernels compiled for sm_90 without a GPU (Triton's own ptxas), in the CPU CI.
+"""The Triton kernels compiled for sm_90 without a GPU (Triton's own ptxas), in the CPU CI.
 
 The interpreter runs the kernels' Python, not their compiled form; this proves the GPU build:
-the dK/dV and dQ kernels assemble for Hopper in bf16 and fp32, and the fp32 build keeps the
+the forward, dK/dV and dQ kernels assemble for Hopper with every feature flag on (varlen, window,
+key ranges, block-sparse CSR, softcap), and the fp32 backward build keeps the
 compensated (Kahan) sums of reference/triton/common._accumulate (the compiler must not fold
 ``(t - acc) - y`` away), while the 16-bit build carries none of them (its only per-block
 accumulation stays fused into the dot).
@@ -21,9 +22,10 @@ except ImportError:  # pragma: no cover - older Triton layouts
     GPUTarget = ASTSource = None
 
 from dualattn.reference.triton import backward as B
+from dualattn.reference.triton import forward as F
 
 INT_POINTERS = {"CuQ", "CuK", "KR", "FullPtr", "FullCol", "MaskPtr", "MaskCol"}
-FP32_POINTERS = {"Lse2", "Delta"}
+FP32_POINTERS = {"Lse2", "Delta", "Lse"}
 FLOAT_SCALARS = {"qk_scale", "softcap", "sm_scale"}
 NUM_WARPS = 8
 
@@ -40,10 +42,11 @@ def _signature(fn, dtype: str):
     return sig
 
 
-def _f32_add_sub(fn, dtype: str, **tiles) -> int:
+def _ptx(fn, dtype: str, **flags) -> str:
     consts = dict(HEAD_D=128, HEAD_DV=128, BLOCK_D=128, BLOCK_DV=128, IS_VARLEN=False, HAS_LEFT=False,
                   HAS_RIGHT=True, NUM_KR=0, HAS_BS=False, BS_M=128, BS_N=128, SOFTCAP=False, DOT_FP32=False,
-                  IEEE=dtype == "fp32", **tiles)
+                  IEEE=dtype == "fp32")
+    consts.update(flags)
     try:
         k = triton.compile(ASTSource(fn=fn, signature=_signature(fn, dtype), constexprs=consts),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS, "num_stages": 2})
@@ -53,7 +56,30 @@ def _f32_add_sub(fn, dtype: str, **tiles) -> int:
         raise
     ptx = re.sub(r"//[^\n]*", "", k.asm["ptx"])
     assert ".target sm_90" in ptx
-    return len(re.findall(r"\b(?:add|sub)(?:\.rn)?\.f32\b", ptx))
+    return ptx
+
+
+def _f32_add_sub(fn, dtype: str, **tiles) -> int:
+    return len(re.findall(r"\b(?:add|sub)(?:\.rn)?\.f32\b", _ptx(fn, dtype, **tiles)))
+
+
+# (head dims, flags): the tiles are the configs' shapes for those head dims (reference/triton/configs)
+FEATURES = {
+    "causal": dict(BLOCK_M=128, BLOCK_N=64),
+    "varlen-window-kr2-softcap": dict(BLOCK_M=64, BLOCK_N=64, IS_VARLEN=True, HAS_LEFT=True, NUM_KR=2,
+                                      SOFTCAP=True),
+    "bs-d192-dv128": dict(BLOCK_M=64, BLOCK_N=64, HEAD_D=192, HEAD_DV=128, BLOCK_D=256, HAS_BS=True),
+}
+
+
+@pytest.mark.skipif(GPUTarget is None, reason="this Triton has no ahead-of-time compile API")
+@pytest.mark.parametrize("kernel", ["forward", "dkdv", "dq"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_kernels_build_for_sm90_with_every_feature(kernel, feature):
+    fn = {"forward": F._attn_fwd, "dkdv": B._attn_bwd_dkdv, "dq": B._attn_bwd_dq}[kernel]
+    ptx = _ptx(fn, "bf16", **FEATURES[feature])
+    # bf16 tensor-core products on Hopper: wgmma (or mma.sync where Triton picks it for the tile)
+    assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
 
 
 @pytest.mark.skipif(GPUTarget is None, reason="this Triton has no ahead-of-time compile API")
