@@ -192,3 +192,30 @@ def test_dsl_settings_are_part_of_the_fingerprint(cache_env, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_120a")  # in the key already, not in the folder
     assert CompileCache().path_for(key) == base
     cc._fingerprints.clear()
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="POSIX ownership and modes")
+def test_folders_are_private_and_shared_ones_are_not_trusted(cache_env):
+    key = ("fake", "sm_90a")
+    c = CompileCache()
+    c.get(key, lambda: _Dumpable("a"))
+    path = c.path_for(key)
+    for d in (cache_env, path.parent):
+        assert d.stat().st_mode & 0o777 == 0o700
+    # anyone may write the cache folder (a shared DUALATTN_CACHE_DIR): an entry there could be
+    # anybody's code, checksum or not, so the disk is not used at all, and the call still works
+    for loose, mode in ((cache_env, 0o777), (path.parent, 0o770), (path, 0o666)):
+        loose.chmod(mode)
+        c2 = CompileCache()
+        fn = c2.get(key, lambda: _Dumpable("b"))
+        assert isinstance(fn, _Dumpable) and fn.tag == "b"
+        assert (c2.loads, c2.compiles, c2.stores, c2.disk_errors) == (0, 1, 0, 1)
+        if loose.is_dir():  # a loose folder taints every entry in it; a loose file only itself
+            assert c2.path_for(("other", "sm_90a")) is None and c2.disk_errors == 1  # warned once
+        assert "writable by group or others" in next(iter(c2._distrusted.values()))
+        loose.chmod(0o700 if loose.is_dir() else 0o600)
+    # another user's folder
+    if os.getuid() == 0:
+        os.chown(path.parent, 12345, -1)
+        assert "belongs to uid 12345" in cc.untrusted_reason(path.parent)
+        assert CompileCache().path_for(key) is None

@@ -22,6 +22,11 @@ later process loads it with ``cute.runtime.load_module`` instead of tracing and 
   an object address (``at 0x``) is kept in memory only.
 * An entry is ``MAGIC + sha256(payload) + payload``; a file whose checksum does not match, or that
   the DSL cannot load, is recompiled and overwritten, never trusted and never fatal.
+* An entry is code that will run in this process, and a checksum proves integrity, not who wrote
+  it: folders are created ``0700``, and an entry is read only when the entry, its fingerprint
+  folder and the cache folder belong to this user and no one else may write them (POSIX). A
+  cache folder that fails this (a shared or world-writable ``DUALATTN_CACHE_DIR``) is not used:
+  kernels compile and stay in memory, with one warning.
 * Writes go to a private temporary file in the same folder, then ``os.replace``: concurrent
   processes (pytest-xdist workers) see either no file or a whole one. Two processes that miss at
   once both compile and both write identical entries; the last rename wins.
@@ -124,6 +129,31 @@ def _key_tag(key) -> str:
     return "".join(c if c.isalnum() or c in "_-" else "_" for c in s)[:48]
 
 
+def untrusted_reason(path: Path) -> Optional[str]:
+    """Why ``path`` (an existing file or folder) must not be trusted for code, or None: not
+    owned by this user, or writable by group or others. Always None where there are no uids."""
+    getuid = getattr(os, "getuid", None)
+    if getuid is None:  # not POSIX: no ownership model to check
+        return None
+    try:
+        st = path.stat()
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # nothing there yet: nothing to distrust (a failed write reports itself)
+    if st.st_uid != getuid():
+        return f"{path} belongs to uid {st.st_uid}, not to this user ({getuid()})"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {st.st_mode & 0o777:o})"
+    return None
+
+
+def _make_private_dirs(folder: Path, root: Path) -> None:
+    """mkdir -p with mode 0700 for every folder created from ``root`` down to ``folder``."""
+    for d in reversed([folder, *folder.parents]):
+        if d == root or root in d.parents:
+            if not d.exists():
+                d.mkdir(mode=0o700, exist_ok=True)
+
+
 class CompileCache:
     """``get(key, build)``: the compiled function for ``key``, from memory, else from disk, else
     ``build()`` (then stored in both). ``build`` returns a ``cute.compile`` result; anything
@@ -141,6 +171,7 @@ class CompileCache:
         self.loads = 0
         self.stores = 0
         self.disk_errors = 0
+        self._distrusted: Dict[Path, str] = {}  # cache roots refused, with the reason (warned once)
 
     def get(self, key: Hashable, build: Callable[[], object]) -> object:
         hit = self._store.get(key)  # a dict read is atomic: no lock on the hot path
@@ -173,7 +204,23 @@ class CompileCache:
         if " at 0x" in r:  # default object repr: differs per process, would never hit
             return None
         digest = hashlib.sha256(r.encode()).hexdigest()[:32]
-        return root / source_fingerprint(self._sources) / f"{_key_tag(key)}-{digest}.o"
+        path = root / source_fingerprint(self._sources) / f"{_key_tag(key)}-{digest}.o"
+        reason = self._distrust(root, path)
+        if reason is not None:
+            if root not in self._distrusted:
+                self._distrusted[root] = reason
+                self.disk_errors += 1
+                log.warning("compile cache: not using %s on disk (%s); kernels stay in memory", root, reason)
+            return None
+        return path
+
+    @staticmethod
+    def _distrust(root: Path, path: Path) -> Optional[str]:
+        for p in (root, path.parent, path):
+            reason = untrusted_reason(p)
+            if reason is not None:
+                return reason
+        return None
 
     def _load(self, path: Path):
         try:
@@ -215,7 +262,9 @@ class CompileCache:
         try:
             _load_runtime_global()
             payload = dump(_EXPORT_PREFIX)
-            path.parent.mkdir(parents=True, exist_ok=True)
+            root = path.parent.parent
+            root.parent.mkdir(parents=True, exist_ok=True)  # e.g. ~/.cache: not ours to restrict
+            _make_private_dirs(path.parent, root)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
             with os.fdopen(fd, "wb") as f:
                 f.write(_FORMAT + hashlib.sha256(payload).digest() + payload)
