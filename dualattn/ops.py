@@ -22,6 +22,7 @@ while ``torch.compile`` traces, so model code needs no change.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import replace
 from typing import List, Optional, Tuple
 
@@ -242,7 +243,15 @@ def _bs_parts(block_sparse):
 
 
 def _scale(scale) -> float:
-    return 0.0 if scale is None else float(scale)
+    """The op's encoding of ``scale``: 0.0 stands for the default 1/sqrt(D), so a caller's 0 (or
+    any other invalid value) is refused here as the eager entry points refuse it, instead of
+    silently becoming the default."""
+    if scale is None:
+        return 0.0
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"scale: must be a positive finite number, got {value}")
+    return value
 
 
 def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, key_ranges=None,

@@ -98,6 +98,12 @@ def test_op_errors_are_the_api_errors():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="impl"):
         ops.attention(q, k, v, impl="nope")
+    # 0.0 encodes "default scale" inside the op: a caller's 0 must still be refused, as eagerly
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            dualattn.attention(q, k, v, scale=bad, impl="torch")
+        with pytest.raises(ValueError, match="scale"):
+            ops.attention(q, k, v, scale=bad, impl="torch")
 
 
 def test_op_honours_reference_mode():
