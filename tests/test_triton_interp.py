@@ -142,3 +142,27 @@ def test_decode_auto_split_count_from_the_plan():
     want = decode.choose_num_splits(units, -(-spec.seqlen_k // plan.tile.block_n), plan.slots)
     assert plan.num_splits == want and plan.grid == (want, spec.batch * spec.num_heads_kv, 1)
     run_and_check(call, False)
+
+
+def test_decode_plan_cache_is_bounded_and_keeps_recent_plans(monkeypatch):
+    # a server whose batch sizes keep changing makes a new spec per batch size: the plan cache
+    # drops the least recently used plan past PLAN_CACHE_SIZE instead of growing without end
+    from dataclasses import replace
+    from dualattn.reference.triton import decode
+    monkeypatch.setattr(decode, "PLAN_CACHE_SIZE", 3)
+    monkeypatch.setattr(decode, "_PLANS", type(decode._PLANS)())
+    case = next(c for c in CASES if c.name == "kvcache hd 128, mqa")
+    base = make_call(case, "cpu", torch.float16, large=False)
+    calls = []
+    for splits in (1, 2, 3, 4):
+        call = base.with_tensors(k=base.k.clone(), v=base.v.clone())
+        call.spec = replace(base.spec, num_splits=splits)
+        calls.append(call)
+    first = decode.decode_plan(calls[0])
+    for call in calls[1:3]:
+        decode.decode_plan(call)
+    assert decode.decode_plan(calls[0]) is first  # a hit refreshes it
+    decode.decode_plan(calls[3])                  # evicts calls[1]'s plan, the least recent
+    assert len(decode._PLANS) == 3
+    assert decode.decode_plan(calls[0]) is first
+    run_and_check(calls[1], False)  # an evicted plan is simply remade

@@ -23,6 +23,8 @@ call can be captured in a CUDA graph.
 from __future__ import annotations
 
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Dict, Tuple
 
@@ -223,7 +225,12 @@ class DecodePlan:
     constexprs: dict             # of _decode_split (those of _append_kv / _decode_combine are a subset)
 
 
-_PLANS: Dict[tuple, DecodePlan] = {}
+# plans per (spec, device, tile override), least recently used dropped past PLAN_CACHE_SIZE: a
+# spec holds the batch size and cache capacity, so a server with changing batches would otherwise
+# grow this without end (a plan is cheap to remake: the compiled kernel stays in Triton's cache)
+PLAN_CACHE_SIZE = 256
+_PLANS: "OrderedDict[tuple, DecodePlan]" = OrderedDict()
+_PLANS_LOCK = threading.Lock()
 
 
 def _resident_programs(call, tile: Tile, split_args: tuple, constexprs: dict) -> int:
@@ -248,9 +255,16 @@ def decode_plan(call) -> DecodePlan:
     spec = call.spec
     env = os.environ.get("DUALATTN_TRITON_TILE_DECODE")
     key = (spec, call.q.device, env)
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _PLANS[key] = _make_plan(call)
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan
+    plan = _make_plan(call)  # compiles on first use: outside the lock
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
     return plan
 
 
