@@ -181,7 +181,8 @@ def main(argv=None) -> int:
     d = sub.add_parser("diff", help="replay a repro file against the oracle")
     d.add_argument("repro")
     d.add_argument("--impl", default=None)
-    d.add_argument("--device", default=None)
+    d.add_argument("--device", default=None,
+                   help="where to replay (default: where the repro was found if that device is here, else cpu)")
     f = sub.add_parser("fuzz", help="run the property campaign (pytest props/)")
     f.add_argument("--profile", default="ci", choices=["ci", "gpu", "campaign"])
     f.add_argument("pytest_args", nargs="*")

@@ -195,12 +195,24 @@ def save_repro(call, impl: str, directory: str, *, backward: bool = False, dout=
     return path
 
 
+def replay_device(saved_device_type: str, device=None):
+    """Where a repro replays: ``device`` if given, else where it was found when that is here (a
+    GPU find replays on the GPU, as ``python -m dualattn diff REPRO`` is printed after a GPU
+    failure), else the CPU."""
+    if device is not None:
+        return device
+    if saved_device_type == "cuda" and torch.cuda.is_available():
+        return "cuda"
+    return None  # the saved (CPU) tensors as they are
+
+
 def load_repro(path: str, device=None):
     """Rebuild (call, impl, backward, dout) from a repro file, validating it as a fresh call."""
     from .sparse import BlockSparse
 
     p = torch.load(path, weights_only=False)
     s = p["spec"]
+    device = replay_device(s.get("device_type", "cpu"), device)
     t = {k: (v.to(device) if device is not None else v) for k, v in p["tensors"].items()}
     bs = None
     if "block_sparse" in p:

@@ -187,6 +187,16 @@ def test_repro_roundtrip_every_mode(tmp_path):
         assert call2.spec == call.spec and impl == "torch"
 
 
+def test_repro_replays_where_it_was_found(monkeypatch):
+    # a GPU find replays on the GPU by default (the property tests print "python -m dualattn diff
+    # REPRO" after a GPU failure); without a GPU, or for a CPU find, on the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert debug.replay_device("cuda") == "cuda" and debug.replay_device("cpu") is None
+    assert debug.replay_device("cuda", "cpu") == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert debug.replay_device("cuda") is None
+
+
 def _cli(*args, env_extra=None, timeout=600):
     env = dict(os.environ, DUALATTN_PROGRESS="0", **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "dualattn", *args], capture_output=True, text=True, cwd=ROOT,
