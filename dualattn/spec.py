@@ -229,6 +229,16 @@ def _check_scalars(causal, window, softcap, scale, head_dim):
     return tuple(w), softcap, scale
 
 
+def _clamp_window(window, seqlen_q: int, seqlen_k: int):
+    """Window bounds past ``seqlen_q + seqlen_k`` mean the same as that value (a left bound >= Sk
+    or a right bound >= Sq already reaches every key), so they are clamped there: kernels add
+    the bounds to row and key indices in 32-bit arithmetic, where ``window=(-1, 2**31 - 1)`` wrapped
+    to "no key visible" and made the deterministic backward's lock ranks disagree with the
+    visiting blocks (a hang)."""
+    reach = int(seqlen_q) + int(seqlen_k)
+    return tuple(x if x < 0 else min(x, reach) for x in window)
+
+
 def _check_cu_seqlens(name: str, cu, batch_plus_1: Optional[int], total: int, max_seqlen: int,
                       max_name: str, device) -> int:
     if not isinstance(cu, torch.Tensor):
@@ -337,6 +347,7 @@ def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=No
     _check_head_dim("q", D)
     _check_head_dim("v", Dv)
     window, softcap, scale = _check_scalars(causal, window, softcap, scale, D)
+    window = _clamp_window(window, Sq, Sk)
     r = _check_key_ranges(key_ranges, B, Hq, Sq, Sk, False, q.device)
     bsz = _check_block_sparse(block_sparse, B, Hq, Sq, Sk, q.device, True)
     spec = AttentionSpec("batched", B, Sq, Sk, Hq, Hkv, D, Dv, q.dtype, q.device.type, causal, window,
@@ -368,6 +379,7 @@ def build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     window, softcap, scale = _check_scalars(causal, window, softcap, scale, D)
     B = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, Tq, max_seqlen_q, "max_seqlen_q", q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, B + 1, Tk, max_seqlen_k, "max_seqlen_k", q.device)
+    window = _clamp_window(window, max_seqlen_q, max_seqlen_k)
     r = _check_key_ranges(key_ranges, B, Hq, Tq, max_seqlen_k, True, q.device)
     bsz = _check_block_sparse(block_sparse, B, Hq, max_seqlen_q, max_seqlen_k, q.device, False)
     spec = AttentionSpec("varlen", B, int(max_seqlen_q), int(max_seqlen_k), Hq, Hkv, D, Dv, q.dtype,
@@ -444,6 +456,7 @@ def build_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k_new=
             pt = page_table.cpu()
             if bool((pt < 0).any()) or bool((pt >= num_pages).any()):
                 raise _err("page_table", f"entries must lie in [0, num_pages={num_pages})")
+    window = _clamp_window(window, Sq, capacity)
     spec = AttentionSpec("kvcache", B, Sq, capacity, Hq, Hkv, D, Dv, q.dtype, q.device.type, causal,
                          window, softcap, scale, 0, None, False, bool(return_lse), paged, page_size,
                          n_new, num_splits)

@@ -187,6 +187,19 @@ def test_repro_roundtrip_every_mode(tmp_path):
         assert call2.spec == call.spec and impl == "torch"
 
 
+def test_window_bounds_are_clamped_to_the_sequences():
+    from dualattn import spec as spec_mod
+    q, k, v = (torch.randn(1, 5, 2, 32) for _ in range(3))
+    k, v = (torch.randn(1, 7, 2, 32) for _ in range(2))
+    call = spec_mod.build_dense(q, k, v, window=(2 ** 31 - 1, 2 ** 40))
+    assert call.spec.window == (12, 12)
+    assert spec_mod.build_dense(q, k, v, window=(3, -1)).spec.window == (3, -1)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 3, 7], dtype=torch.int32)
+    call = spec_mod.build_varlen(q[0], k[0], v[0], cu_q, cu_k, 3, 4, window=(-1, 2 ** 31))
+    assert call.spec.window == (-1, 7)
+
+
 def test_repro_replays_where_it_was_found(monkeypatch):
     # a GPU find replays on the GPU by default (the property tests print "python -m dualattn diff
     # REPRO" after a GPU failure); without a GPU, or for a CPU find, on the CPU

@@ -334,3 +334,15 @@ def test_impl_refuses_more_than_one_row_tile():
     assert many is not None and "more than one" in many
     one = impl.can_implement(_spec(seqlen_q=4, num_heads_q=16, num_heads_kv=2))   # 32 rows
     assert one is None or "more than one" not in one
+
+
+def test_q_views_spanning_2_31_elements_are_copied():
+    # the kernel's q offsets are 32-bit: the last token of each long prompt (a view of a tensor of
+    # 32 x 32768 x 32 x 128 elements) spans 2**32 elements although q has 32 x 1 x 32 x 128
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120.decode_impl import q_needs_copy
+    q_full = torch.empty(32, 32768, 32, 128, dtype=torch.bfloat16, device="meta")
+    assert q_needs_copy(q_full[:, -1:])
+    assert not q_needs_copy(q_full[:, -1:].contiguous())
+    assert not q_needs_copy(torch.empty(8, 1, 32, 128, device="meta"))
+    assert q_needs_copy(torch.empty(8, 1, 128, 32, device="meta").transpose(-1, -2))  # last stride != 1

@@ -166,3 +166,17 @@ def test_decode_plan_cache_is_bounded_and_keeps_recent_plans(monkeypatch):
     assert len(decode._PLANS) == 3
     assert decode.decode_plan(calls[0]) is first
     run_and_check(calls[1], False)  # an evicted plan is simply remade
+
+
+def test_huge_window_bounds_mean_unbounded():
+    # bounds past Sq + Sk are clamped by the spec: 2**31 - 1 used to wrap the kernels' 32-bit
+    # block-range arithmetic to "no key visible" (Triton: all zeros; fast-sm120's deterministic
+    # backward: lock ranks that no key block reaches)
+    import dualattn
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 64, 2, 32, dtype=torch.float16) for _ in range(3))
+    want = dualattn.attention(q, k, v, impl="torch")
+    for w in ((-1, 2 ** 31 - 1), (2 ** 31 - 1, 2 ** 31 - 1), (2 ** 40, 2 ** 33)):
+        got = dualattn.attention(q, k, v, window=w, impl="triton")
+        assert torch.equal(got, dualattn.attention(q, k, v, impl="triton")), w
+        assert (got.float() - want.float()).abs().max() < 1e-2, w

@@ -103,6 +103,15 @@ def choose_num_splits(spec, cfg: DecodeConfig, sms: int, smem_per_sm: int) -> in
     return best
 
 
+
+def q_needs_copy(q) -> bool:
+    """The kernel gathers q rows with a unit last stride and 32-bit element offsets: a view such
+    as ``q_full[:, -1:]`` of a long prompt spans more than 2**31 elements although q itself is
+    small, and its offsets would wrap. Such a q is copied (it is tiny next to the cache)."""
+    extent = sum((n - 1) * st for n, st in zip(q.shape, q.stride()) if n > 1)
+    return q.stride(-1) != 1 or extent >= 2 ** 31
+
+
 class FastSm120Decode:
     name = "fast-sm120-decode"
     family = "fast"
@@ -189,7 +198,7 @@ class FastSm120Decode:
             _append(call, k, v, page_table, pt_stride, page_size)
         if out.numel() == 0:
             return out, lse.fill_(-math.inf)
-        if q.stride(-1) != 1:  # the kernel gathers q rows with a unit last stride
+        if q_needs_copy(q):
             q = q.contiguous()
 
         fn, pack, cfg, splits, (wl, wr, scale_log2, softcap_scale, softcap) = self._entry(spec, q.device)
