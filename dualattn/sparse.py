@@ -144,6 +144,7 @@ class BlockSparse:
         self.seqlen_q, self.seqlen_k = int(seqlen_q), int(seqlen_k)
         self.q2k_full, self.q2k_mask = q2k_full, q2k_mask
         self._k2q = None
+        self._k2q_versions = None
 
     # ---- derived structures (built lazily, on the CSR's device) ----
     @property
@@ -162,8 +163,20 @@ class BlockSparse:
     def broadcast_shape(self) -> Tuple[int, int]:
         return tuple(self.q2k_full.rowptr.shape[:2])
 
+    def _q2k_versions(self) -> tuple:
+        return tuple(t._version for t in (self.q2k_full.rowptr, self.q2k_full.col,
+                                          self.q2k_mask.rowptr, self.q2k_mask.col))
+
     def _transpose(self):
+        # rebuilt when the q->k tensors were changed in place since (their version counters
+        # moved): every call validates the q->k lists as they are now, and the backward's k->q
+        # lists and lock values must describe the same pattern. (A CUDA graph replays the k->q
+        # tensors it captured: after an in-place update, capture again.)
+        versions = self._q2k_versions()
+        if self._k2q is not None and versions != self._k2q_versions:
+            self._k2q = None
         if self._k2q is None:
+            self._k2q_versions = versions
             full = _csr_to_dense(self.q2k_full, self.n_kblocks).transpose(-1, -2)
             mask = _csr_to_dense(self.q2k_mask, self.n_kblocks).transpose(-1, -2)
             # same entry counts as the q->k lists: no need to read them back from the device

@@ -72,6 +72,9 @@ class AttentionSpec:
     num_splits: int = 0
     # autograd will ask for dQ, dK, dV (set by the public API from requires_grad)
     needs_grad: bool = False
+    # key_ranges or a CSR column array holds 2**31 elements or more: kernels that index them with
+    # 32-bit offsets refuse (the shape of these tensors is otherwise not part of the spec)
+    wide_index_tensors: bool = False
 
     def __hash__(self) -> int:
         # a spec keys several per-call lookups (dispatch, kernel entries): hash its fields once
@@ -239,6 +242,15 @@ def _clamp_window(window, seqlen_q: int, seqlen_k: int):
     return tuple(x if x < 0 else min(x, reach) for x in window)
 
 
+def _wide_index_tensors(key_ranges, block_sparse) -> bool:
+    big = 2 ** 31
+    if key_ranges is not None and key_ranges.numel() >= big:
+        return True
+    if block_sparse is not None:
+        return any(t.numel() >= big for t in (block_sparse.q2k_full.col, block_sparse.q2k_mask.col))
+    return False
+
+
 def _check_cu_seqlens(name: str, cu, batch_plus_1: Optional[int], total: int, max_seqlen: int,
                       max_name: str, device) -> int:
     if not isinstance(cu, torch.Tensor):
@@ -311,6 +323,7 @@ def _check_block_sparse(bs, batch: int, hq: int, sq: int, sk: int, device, exact
 # repeated call skips them and reuses the spec (host overhead of a cached kernel call). Calls
 # with key_ranges / block_sparse carry values to check and always take the full path.
 _DENSE_MEMO: dict = {}
+_PLAIN_SCALARS = (float, int, type(None))
 _DENSE_MEMO_MAX = 1024
 _Tensor = torch.Tensor
 
@@ -319,7 +332,9 @@ def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=No
                 block_sparse=None, deterministic=False, return_lse=False, needs_grad=False) -> AttentionCall:
     memo_key = None
     if (key_ranges is None and block_sparse is None and q.__class__ is _Tensor and k.__class__ is _Tensor
-            and v.__class__ is _Tensor and window.__class__ is tuple and len(window) == 2):
+            and v.__class__ is _Tensor and window.__class__ is tuple and len(window) == 2
+            # a 0-d tensor scale/softcap hashes by identity but may change in place: not memoised
+            and scale.__class__ in _PLAIN_SCALARS and softcap.__class__ in _PLAIN_SCALARS):
         # the classes of causal and the window entries are in the key: True == 1 and 1 == 1.0 hash
         # alike, but the checks accept only bool / int there
         memo_key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
@@ -352,7 +367,8 @@ def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=No
     bsz = _check_block_sparse(block_sparse, B, Hq, Sq, Sk, q.device, True)
     spec = AttentionSpec("batched", B, Sq, Sk, Hq, Hkv, D, Dv, q.dtype, q.device.type, causal, window,
                          softcap, scale, r, bsz, bool(deterministic), bool(return_lse),
-                         needs_grad=bool(needs_grad))
+                         needs_grad=bool(needs_grad),
+                         wide_index_tensors=_wide_index_tensors(key_ranges, block_sparse))
     if memo_key is not None:
         if len(_DENSE_MEMO) >= _DENSE_MEMO_MAX:  # keys hold shapes: keep it bounded
             _DENSE_MEMO.clear()
@@ -379,14 +395,18 @@ def build_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     window, softcap, scale = _check_scalars(causal, window, softcap, scale, D)
     B = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None, Tq, max_seqlen_q, "max_seqlen_q", q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, B + 1, Tk, max_seqlen_k, "max_seqlen_k", q.device)
-    window = _clamp_window(window, max_seqlen_q, max_seqlen_k)
+    # no sequence is longer than its packed tensor, whatever bound max_seqlen_* states
+    window = _clamp_window(window, min(int(max_seqlen_q), Tq), min(int(max_seqlen_k), Tk))
     r = _check_key_ranges(key_ranges, B, Hq, Tq, max_seqlen_k, True, q.device)
     bsz = _check_block_sparse(block_sparse, B, Hq, max_seqlen_q, max_seqlen_k, q.device, False)
     spec = AttentionSpec("varlen", B, int(max_seqlen_q), int(max_seqlen_k), Hq, Hkv, D, Dv, q.dtype,
                          q.device.type, causal, window, softcap, scale, r, bsz, bool(deterministic),
-                         bool(return_lse), needs_grad=bool(needs_grad))
-    return AttentionCall(spec, q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                         key_ranges=key_ranges, block_sparse=block_sparse)
+                         bool(return_lse), needs_grad=bool(needs_grad),
+                         wide_index_tensors=_wide_index_tensors(key_ranges, block_sparse))
+    # the kernels read cu_seqlens[b], cu_seqlens[b + 1] with a unit stride (a strided view, e.g. a
+    # column of a larger table, would read other memory)
+    return AttentionCall(spec, q, k, v, cu_seqlens_q=cu_seqlens_q.contiguous(),
+                         cu_seqlens_k=cu_seqlens_k.contiguous(), key_ranges=key_ranges, block_sparse=block_sparse)
 
 
 def build_kvcache(q, k_cache, v_cache, *, cache_seqlens, page_table=None, k_new=None, v_new=None,

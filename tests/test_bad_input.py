@@ -325,3 +325,50 @@ def test_block_sparse_built_for_other_lengths_same_block_counts():
     bs = BlockSparse.from_key_ranges(None, 16, 24, 16, 8, causal=True)
     raises(ValueError, r"^block_sparse: built for seqlen \(16, 24\)", dualattn.attention, q, k, v, causal=True,
            block_sparse=bs)
+
+
+def test_tensor_scale_changed_in_place_is_not_served_from_the_memo():
+    # a 0-d tensor scale hashes by identity; the dense-spec memo must not hand back its old value
+    q, k, v = (torch.randn(1, 8, 2, 32) for _ in range(3))
+    t = torch.tensor(0.5)
+    first = dualattn.attention(q, k, v, scale=t, impl="torch")
+    t.fill_(0.05)
+    again = dualattn.attention(q, k, v, scale=t, impl="torch")
+    assert torch.equal(again, dualattn.attention(q, k, v, scale=0.05, impl="torch"))
+    assert not torch.equal(again, first)
+    t.fill_(-1.0)
+    with pytest.raises(ValueError, match="scale"):
+        dualattn.attention(q, k, v, scale=t, impl="torch")
+
+
+def test_strided_cu_seqlens_are_read_as_their_values():
+    from dualattn import spec as spec_mod
+    q, k, v = (torch.randn(16, 2, 32) for _ in range(3))
+    table = torch.tensor([[0, 5], [8, 3], [16, 7]], dtype=torch.int32)
+    cu = table[:, 0]  # values [0, 8, 16], stride 2
+    call = spec_mod.build_varlen(q, k, v, cu, cu, 8, 8, causal=True)
+    assert call.cu_seqlens_q.is_contiguous() and call.cu_seqlens_k.is_contiguous()
+    got = dualattn.attention_varlen(q, k, v, cu, cu, 8, 8, causal=True, impl="torch")
+    want = dualattn.attention_varlen(q, k, v, cu.contiguous(), cu.contiguous(), 8, 8, causal=True, impl="torch")
+    assert torch.equal(got, want)
+
+
+def test_varlen_window_clamp_ignores_an_overstated_max_seqlen():
+    from dualattn import spec as spec_mod
+    q, k, v = (torch.randn(16, 1, 32) for _ in range(3))
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    call = spec_mod.build_varlen(q, k, v, cu, cu, 16, 2 ** 31 - 16, window=(-1, 2 ** 31 - 1))
+    assert call.spec.window == (-1, 32)
+
+
+def test_wide_index_tensors_are_flagged_and_refused_by_32_bit_kernels():
+    from dataclasses import replace
+    from dualattn import spec as spec_mod
+    from dualattn.fast.sm90 import FastSm90Forward
+    assert spec_mod._wide_index_tensors(torch.empty(2 ** 31, dtype=torch.int32, device="meta"), None)
+    assert not spec_mod._wide_index_tensors(torch.empty(2 ** 31 - 1, dtype=torch.int32, device="meta"), None)
+    q, k, v = (torch.randn(1, 8, 2, 64, dtype=torch.bfloat16) for _ in range(3))
+    spec = replace(spec_mod.build_dense(q, k, v).spec, device_type="cuda", num_key_ranges=1)
+    assert FastSm90Forward().can_implement_static(spec) is None
+    reason = FastSm90Forward().can_implement_static(replace(spec, wide_index_tensors=True))
+    assert reason and "2**31" in reason

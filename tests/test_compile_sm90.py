@@ -404,3 +404,18 @@ def test_head_dims_192_128_compile(mode, causal):
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.bf16\.bf16", ptx)
     assert not re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n192k16", ptx)
     assert _loops_with(ptx, "wgmma.mma_async") >= 1
+
+
+def test_prep_gives_tma_aligned_bases():
+    # a contiguous view at an odd element offset is contiguous() already: it must be cloned, or
+    # the TMA descriptor (built without validation) rounds its base down and reads rows shifted
+    from dualattn.fast.sm90 import FastSm90Forward
+    buf = torch.randn(2 * 128 * 4 * 64 + 1, dtype=torch.bfloat16)
+    q = buf[1:].view(2, 128, 4, 64)
+    assert q.is_contiguous() and q.data_ptr() % 16
+    got = FastSm90Forward._prep(q)
+    assert got.data_ptr() % 16 == 0 and torch.equal(got, q)
+    aligned = torch.randn(2, 128, 4, 64, dtype=torch.bfloat16)
+    assert FastSm90Forward._prep(aligned) is aligned
+    wide = torch.randn(2, 128, 4, 128, dtype=torch.bfloat16)[..., :64]  # strides multiples of 8
+    assert FastSm90Forward._prep(wide) is wide

@@ -122,3 +122,20 @@ def test_broadcast_shapes_and_to():
     bs = BlockSparse.from_key_ranges(None, 10, 10, 4, 4, causal=True)
     assert bs.broadcast_shape == (1, 1)
     assert bs.to("cpu").block_states().shape == (1, 1, 3, 3)
+
+
+def test_transpose_follows_an_in_place_update_of_the_csr():
+    # every call validates the q->k lists as they are now; the k->q lists and lock values the
+    # backward reads must follow an in-place update (they were cached forever: stale dK/dV)
+    rp = torch.tensor([0, 1, 2], dtype=torch.int32)
+    empty_rp, empty_col = torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    bs = BlockSparse.from_csr(rp, torch.tensor([0, 1], dtype=torch.int32), empty_rp, empty_col, 16, 16, 32, 32)
+    assert [bs.k2q_full.row(0, 0, kb) for kb in range(2)] == [[0], [1]]
+    bs.q2k_full.col.copy_(torch.tensor([1, 0], dtype=torch.int32))
+    assert [bs.k2q_full.row(0, 0, kb) for kb in range(2)] == [[1], [0]]
+    fresh = BlockSparse.from_csr(rp, torch.tensor([1, 0], dtype=torch.int32), empty_rp, empty_col, 16, 16, 32, 32)
+    assert torch.equal(bs.k2q_full_lock, fresh.k2q_full_lock)
+    q, k, v = (torch.randn(1, 32, 1, 16, generator=torch.Generator().manual_seed(i)).requires_grad_() for i in range(3))
+    out = dualattn.attention(q, k, v, block_sparse=bs, impl="torch")
+    want = dualattn.attention(q, k, v, block_sparse=fresh, impl="torch")
+    assert torch.equal(out, want)

@@ -130,6 +130,8 @@ class FastSm120Forward:
         rows = spec.batch * max(spec.seqlen_q, spec.seqlen_k)
         if rows * max(spec.num_heads_q, spec.num_heads_kv) * spec.head_dim > _I32_MAX:
             return "tensors over 2**31 elements (32-bit indexing)"
+        if spec.wide_index_tensors:
+            return "key_ranges or CSR column arrays of 2**31 elements or more (32-bit indexing)"
         if max(spec.batch, spec.num_heads_q) > 65535:  # grid y and z
             return "grid limit: batch and query heads must each be <= 65535"
         if cfg.smem_bytes(spec.head_dim, spec.head_dim_v) > SMEM_LIMIT_SM120:

@@ -135,10 +135,8 @@ class FastSm90Forward:
         if spec.num_key_ranges > MAX_KEY_RANGES:
             return (f"at most {MAX_KEY_RANGES} key ranges per row (intervals are held in "
                     f"registers), got {spec.num_key_ranges}")
-        if spec.has_key_ranges:
-            rows = spec.batch * spec.seqlen_q if spec.mode == "batched" else None
-            if rows is not None and rows * spec.num_heads_q * spec.num_key_ranges * 2 >= 2 ** 31:
-                return "key_ranges over 2**31 elements (32-bit indexing)"
+        if spec.wide_index_tensors:
+            return "key_ranges or CSR column arrays of 2**31 elements or more (32-bit indexing)"
         if spec.has_block_sparse:
             bm, bn = spec.block_size
             if bm % 128:
@@ -266,7 +264,11 @@ class FastSm90Forward:
             return t
         ok = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
               and t.data_ptr() % 16 == 0)
-        return t if ok else t.contiguous()
+        if ok:
+            return t
+        # contiguous() is a no-op on a contiguous view at an odd offset (buf[1:].view(...)): the
+        # TMA descriptor would silently round its base down, so such a view is cloned
+        return t.contiguous() if not t.is_contiguous() else t.clone()
 
     def _entry(self, spec, device):
         """(compiled fn, schema.pack, runtime scalars + num_sms) for a spec on a device; memoised
@@ -344,7 +346,7 @@ class FastSm90Forward:
                     cu_q.data_ptr(), cu_k.data_ptr(), Tq, k.shape[0], Hq, k.shape[1],
                     spec.batch, max(spec.seqlen_q, 1), sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
                     *tail, *self.feature_values(call))
-        fn(args, _current_stream(q.device))
+        _launch(fn, args, q.device)
         return out, lse
 
     def forward(self, call):
@@ -368,11 +370,21 @@ class FastSm90Forward:
             return out.zero_(), lse.fill_(-math.inf)
         fn, pack, tail = self._entry(spec, q.device)
         feat = self.feature_values(call) if (spec.has_key_ranges or spec.has_block_sparse) else ()
-        fn(self.pack_args(pack, tail, q, k, v, out, lse, feat), _current_stream(q.device))
+        _launch(fn, self.pack_args(pack, tail, q, k, v, out, lse, feat), q.device)
         return out, lse
 
     def backward(self, call, out, lse, dout):
         raise NotImplementedError("fast-sm90 has no backward kernel; can_implement refuses needs_grad")
+
+
+def _launch(fn, args, device) -> None:
+    """Launch on ``device``'s stream from ``device``'s context: the launch goes to the current
+    device, and CUDA refuses a stream of another device (tensors on cuda:1, current device 0)."""
+    if device.index in (None, torch.cuda.current_device()):
+        fn(args, _current_stream(device))
+    else:
+        with torch.cuda.device(device):
+            fn(args, _current_stream(device))
 
 
 FORWARD = dispatch.register(FastSm90Forward())
