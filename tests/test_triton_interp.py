@@ -180,3 +180,47 @@ def test_huge_window_bounds_mean_unbounded():
         got = dualattn.attention(q, k, v, window=w, impl="triton")
         assert torch.equal(got, dualattn.attention(q, k, v, impl="triton")), w
         assert (got.float() - want.float()).abs().max() < 1e-2, w
+
+
+def _ram_gb() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) / 2 ** 20
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+@pytest.mark.skipif(_ram_gb() < 12, reason="maps a 4 GiB (lazily allocated) buffer")
+@pytest.mark.parametrize("mode", ["batched", "kvcache-append"])
+def test_row_offsets_past_2_31_elements(mode):
+    # K (or the cache) holds Sk x Hkv x D = 2**31 + 25600 elements: row offsets inside the sequence
+    # wrapped in int32 and read (or, appending, wrote) 4 GiB before the tensor. The tensor is a view
+    # 2**31 elements into a lazily allocated buffer, so a wrapped access lands on zero pages inside
+    # it: wrong numbers, not a crash. One query sees the last 41 keys (causal + window (40, -1)).
+    import dualattn
+    D, Dv, left = 256, 8, 40
+    sk = (1 << 31) // D + 100
+    buf = torch.empty((1 << 31) + sk * D, dtype=torch.float16)
+    k = buf[(1 << 31):].view(1, sk, 1, D)
+    v = torch.zeros(1, sk, 1, Dv, dtype=torch.float16)
+    g = torch.Generator().manual_seed(0)
+    q = (3 * torch.randn(1, 1, 1, D, generator=g)).to(torch.float16)
+    last = sk - 1 if mode == "batched" else sk - 2  # kvcache: the appended key is the last one
+    vis = slice(last - left + (mode != "batched"), last + 1)
+    k[0, vis] = torch.randn(vis.stop - vis.start, 1, D, generator=g).to(torch.float16)
+    v[0, vis] = torch.randn(vis.stop - vis.start, 1, Dv, generator=g).to(torch.float16)
+    if mode == "batched":
+        keys, vals = k[0, sk - 1 - left:, 0], v[0, sk - 1 - left:, 0]
+        out, lse = dualattn.attention(q, k, v, causal=True, window=(left, -1), impl="triton", return_lse=True)
+    else:
+        k_new = torch.randn(1, 1, 1, D, generator=g).to(torch.float16)
+        v_new = torch.randn(1, 1, 1, Dv, generator=g).to(torch.float16)
+        keys = torch.cat([k[0, sk - 1 - left:sk - 1, 0], k_new[0, :, 0]])
+        vals = torch.cat([v[0, sk - 1 - left:sk - 1, 0], v_new[0, :, 0]])
+        out, lse = dualattn.attention_with_kvcache(
+            q, k, v, cache_seqlens=torch.tensor([sk - 1], dtype=torch.int32), k_new=k_new, v_new=v_new,
+            causal=True, window=(left, -1), impl="triton", return_lse=True)
+        assert torch.equal(k[0, sk - 1], k_new[0, 0]) and torch.equal(v[0, sk - 1], v_new[0, 0])
+    s = (q[0, 0, 0].float() @ keys.float().T) / D ** 0.5
+    assert abs(float(lse) - float(torch.logsumexp(s, 0))) < 1e-3
+    assert (out[0, 0, 0].float() - torch.softmax(s, 0) @ vals.float()).abs().max() < 2e-3

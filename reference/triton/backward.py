@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _accumulate, _block_range, _dot, _element_mask, _masked_block, _scores, _sequence_bounds
+from .common import _accumulate, _block_range, _dot, _i64, _element_mask, _masked_block, _scores, _sequence_bounds
 from .launch import Launch, last_dim_contiguous
 
 
@@ -46,9 +46,11 @@ def _attn_bwd_preprocess(O, DO, Lse, Delta, Lse2, CuQ, so_b, so_s, so_h, sdo_b, 
     offs_dv = tl.arange(0, BLOCK_DV)
     row_in = offs_m < seqlen_q
     mask = row_in[:, None] & (offs_dv[None, :] < HEAD_DV)
-    o = tl.load(O + bb * so_b + q0 * so_s + offs_m[:, None] * so_s + h * so_h + offs_dv[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + bb * sdo_b + q0 * sdo_s + offs_m[:, None] * sdo_s + h * sdo_h + offs_dv[None, :], mask=mask,
-                 other=0.0)
+    # (q0 + row) * stride in 64 bits (q0 is int64): rows x stride pass 2**31 for long sequences
+    o = tl.load(O + bb * so_b + (q0 + pid_m * BLOCK_M) * so_s + tl.arange(0, BLOCK_M)[:, None] * so_s + h * so_h
+                + offs_dv[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + bb * sdo_b + (q0 + pid_m * BLOCK_M) * sdo_s + tl.arange(0, BLOCK_M)[:, None] * sdo_s
+                 + h * sdo_h + offs_dv[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     lse_off = bb * sl_b + h * sl_h + q0 + offs_m
     lse2 = tl.load(Lse + lse_off, mask=row_in, other=0.0) * 1.4426950408889634
@@ -74,8 +76,9 @@ def _attn_bwd_dkdv_block(dk, dv, dk_c, dv_c, k, v, q_tile, do_tile, lse2_tile, d
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q_ptrs = q_tile + offs_m[None, :] * sq_s + offs_d[:, None]  # Q^T (D, M)
-    do_ptrs = do_tile + offs_m[:, None] * sdo_s + offs_dv[None, :]
+    rows = tl.arange(0, BLOCK_M)  # offsets within the tile; the tile's own start in 64 bits
+    q_ptrs = q_tile + _i64(m0) * sq_s + rows[None, :] * sq_s + offs_d[:, None]  # Q^T (D, M)
+    do_ptrs = do_tile + _i64(m0) * sdo_s + rows[:, None] * sdo_s + offs_dv[None, :]
     if MASK == 0 and BLOCK_D == HEAD_D and BLOCK_DV == HEAD_DV:
         qT = tl.load(q_ptrs)
         do = tl.load(do_ptrs)
@@ -130,9 +133,9 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     key_in = offs_n < seqlen_k
-    k = tl.load(K + bb * sk_b + k0 * sk_s + offs_n[:, None] * sk_s + hk * sk_h + offs_d[None, :],
+    k = tl.load(K + bb * sk_b + (k0 + n0) * sk_s + tl.arange(0, BLOCK_N)[:, None] * sk_s + hk * sk_h + offs_d[None, :],
                 mask=key_in[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
-    v = tl.load(V + bb * sv_b + k0 * sv_s + offs_n[:, None] * sv_s + hk * sv_h + offs_dv[None, :],
+    v = tl.load(V + bb * sv_b + (k0 + n0) * sv_s + tl.arange(0, BLOCK_N)[:, None] * sv_s + hk * sv_h + offs_dv[None, :],
                 mask=key_in[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
@@ -193,9 +196,11 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                     SOFTCAP, DOT_FP32, IEEE)
     dk = dk * sm_scale
-    tl.store(DK + bb * sdk_b + k0 * sdk_s + offs_n[:, None] * sdk_s + hk * sdk_h + offs_d[None, :],
+    tl.store(DK + bb * sdk_b + (k0 + n0) * sdk_s + tl.arange(0, BLOCK_N)[:, None] * sdk_s + hk * sdk_h
+             + offs_d[None, :],
              dk.to(DK.dtype.element_ty), mask=key_in[:, None] & (offs_d[None, :] < HEAD_D))
-    tl.store(DV + bb * sdv_b + k0 * sdv_s + offs_n[:, None] * sdv_s + hk * sdv_h + offs_dv[None, :],
+    tl.store(DV + bb * sdv_b + (k0 + n0) * sdv_s + tl.arange(0, BLOCK_N)[:, None] * sdv_s + hk * sdv_h
+             + offs_dv[None, :],
              dv.to(DV.dtype.element_ty), mask=key_in[:, None] & (offs_dv[None, :] < HEAD_DV))
 
 
@@ -265,9 +270,10 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_in = offs_m < seqlen_q
-    q = tl.load(Q + bb * sq_b + q0 * sq_s + offs_m[:, None] * sq_s + h * sq_h + offs_d[None, :],
+    q = tl.load(Q + bb * sq_b + (q0 + m0) * sq_s + tl.arange(0, BLOCK_M)[:, None] * sq_s + h * sq_h + offs_d[None, :],
                 mask=row_in[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
-    do = tl.load(DO + bb * sdo_b + q0 * sdo_s + offs_m[:, None] * sdo_s + h * sdo_h + offs_dv[None, :],
+    do = tl.load(DO + bb * sdo_b + (q0 + m0) * sdo_s + tl.arange(0, BLOCK_M)[:, None] * sdo_s + h * sdo_h
+                 + offs_dv[None, :],
                  mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)
     lse2 = tl.load(Lse2 + bb * sl_b + h * sl_h + q0 + offs_m, mask=row_in, other=float("inf"))
     delta = tl.load(Delta + bb * sl_b + h * sl_h + q0 + offs_m, mask=row_in, other=0.0)
@@ -288,7 +294,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
             t = i % (BS_N // BLOCK_N)
             n0 = kb * BS_N + t * BLOCK_N
             dq, dq_c = _attn_bwd_dq_block(
-                dq, dq_c, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                dq, dq_c, q, do, lse2, delta, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -299,7 +305,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
             t = i % (BS_N // BLOCK_N)
             n0 = kb * BS_N + t * BLOCK_N
             dq, dq_c = _attn_bwd_dq_block(
-                dq, dq_c, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                dq, dq_c, q, do, lse2, delta, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -310,19 +316,19 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
         for blk in range(full_lo, full_hi):
             n0 = blk * BLOCK_N
             dq, dq_c = _attn_bwd_dq_block(
-                dq, dq_c, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                dq, dq_c, q, do, lse2, delta, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 0, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
         for t in range(0, (full_lo - lo) + (hi - full_hi)):
             n0 = _masked_block(t, lo, full_lo, full_hi) * BLOCK_N
             dq, dq_c = _attn_bwd_dq_block(
-                dq, dq_c, q, do, lse2, delta, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                dq, dq_c, q, do, lse2, delta, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
     dq = dq * sm_scale
-    tl.store(DQ + bb * sdq_b + q0 * sdq_s + offs_m[:, None] * sdq_s + h * sdq_h + offs_d[None, :],
+    tl.store(DQ + bb * sdq_b + (q0 + m0) * sdq_s + tl.arange(0, BLOCK_M)[:, None] * sdq_s + h * sdq_h + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_in[:, None] & (offs_d[None, :] < HEAD_D))
 
 

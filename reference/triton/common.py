@@ -75,6 +75,13 @@ def _accumulate(acc, comp, x, COMPENSATED: tl.constexpr):
 
 
 @triton.jit
+def _i64(x):
+    """``x`` as int64, for a row index that multiplies a row stride: S x H x D passes 2**31 for
+    long sequences and caches (2M tokens x 8 heads x 128), where int32 offsets wrap."""
+    return tl.cast(x, tl.int64)
+
+
+@triton.jit
 def _sequence_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
     """Where sequence ``b`` starts and how long it is. Varlen: rows cu[b]..cu[b+1] of the packed
     (total, H, D) tensors; batched: row 0 and the given lengths. The starts and the batch index come

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.runtime import driver
 
-from .common import KERNELS_INTERPRETED, _block_range, _masked_block, next_pow2
+from .common import KERNELS_INTERPRETED, _block_range, _i64, _masked_block, next_pow2
 from .configs import Tile, tile_for
 from .forward import _attn_fwd_block
 from .launch import head_constexprs, score_args, window_args
@@ -56,8 +56,8 @@ def _append_kv(KNew, VNew, K, V, CacheSeqlens, PageTable, skn_b, skn_s, skn_h, s
         k_dst = K + page * sk_b + (pos % page_size) * sk_s + hk * sk_h
         v_dst = V + page * sv_b + (pos % page_size) * sv_s + hk * sv_h
     else:
-        k_dst = K + bb * sk_b + pos * sk_s + hk * sk_h
-        v_dst = V + bb * sv_b + pos * sv_s + hk * sv_h
+        k_dst = K + bb * sk_b + _i64(pos) * sk_s + hk * sk_h
+        v_dst = V + bb * sv_b + _i64(pos) * sv_s + hk * sv_h
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = tl.load(KNew + bb * skn_b + s * skn_s + hk * skn_h + offs_d, mask=offs_d < HEAD_D)
@@ -74,7 +74,7 @@ def _kv_tile(k_head, v_head, PageTable, b, n0, sk_b, sk_s, sv_b, sv_s, spt_b, pa
         return k_head + page * sk_b + (n0 % page_size) * sk_s, v_head + page * sv_b + (n0 % page_size) * sv_s
     else:
         bb = tl.cast(b, tl.int64)
-        return k_head + bb * sk_b + n0 * sk_s, v_head + bb * sv_b + n0 * sv_s
+        return k_head + bb * sk_b + _i64(n0) * sk_s, v_head + bb * sv_b + _i64(n0) * sv_s
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel whatever the split count

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _block_range, _dot, _element_mask, _masked_block, _scores, _sequence_bounds
+from .common import _block_range, _i64, _dot, _element_mask, _masked_block, _scores, _sequence_bounds
 from .launch import Launch
 
 
@@ -90,7 +90,7 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_in = offs_m < seqlen_q
-    q = tl.load(Q + bb * sq_b + q0 * sq_s + offs_m[:, None] * sq_s + h * sq_h + offs_d[None, :],
+    q = tl.load(Q + bb * sq_b + (q0 + m0) * sq_s + tl.arange(0, BLOCK_M)[:, None] * sq_s + h * sq_h + offs_d[None, :],
                 mask=row_in[:, None] & (offs_d[None, :] < HEAD_D), other=0.0)
     k_seq = K + bb * sk_b + k0 * sk_s + hk * sk_h  # key row 0 of this sequence and KV head
     v_seq = V + bb * sv_b + k0 * sv_s + hk * sv_h
@@ -112,7 +112,7 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
             t = i % (BS_N // BLOCK_N)
             n0 = kb * BS_N + t * BLOCK_N
             acc, l_i, m_i = _attn_fwd_block(
-                acc, l_i, m_i, q, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                acc, l_i, m_i, q, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -123,7 +123,7 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
             t = i % (BS_N // BLOCK_N)
             n0 = kb * BS_N + t * BLOCK_N
             acc, l_i, m_i = _attn_fwd_block(
-                acc, l_i, m_i, q, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                acc, l_i, m_i, q, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -136,14 +136,14 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
         for blk in range(full_lo, full_hi):  # hot loop: no mask
             n0 = blk * BLOCK_N
             acc, l_i, m_i = _attn_fwd_block(
-                acc, l_i, m_i, q, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                acc, l_i, m_i, q, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 0, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
         for t in range(0, (full_lo - lo) + (hi - full_hi)):  # boundary blocks: masked
             n0 = _masked_block(t, lo, full_lo, full_hi) * BLOCK_N
             acc, l_i, m_i = _attn_fwd_block(
-                acc, l_i, m_i, q, k_seq + n0 * sk_s, v_seq + n0 * sv_s, sk_s, sv_s, offs_m, n0,
+                acc, l_i, m_i, q, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -152,7 +152,7 @@ def _attn_fwd(Q, K, V, Out, Lse, CuQ, CuK, KR, FullPtr, FullCol, MaskPtr, MaskCo
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(Out + bb * so_b + q0 * so_s + offs_m[:, None] * so_s + h * so_h + offs_dv[None, :],
+    tl.store(Out + bb * so_b + (q0 + m0) * so_s + tl.arange(0, BLOCK_M)[:, None] * so_s + h * so_h + offs_dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_in[:, None] & (offs_dv[None, :] < HEAD_DV))
     tl.store(Lse + bb * sl_b + h * sl_h + q0 + offs_m, lse, mask=row_in)
 
