@@ -419,3 +419,6 @@ def test_prep_gives_tma_aligned_bases():
     assert FastSm90Forward._prep(aligned) is aligned
     wide = torch.randn(2, 128, 4, 128, dtype=torch.bfloat16)[..., :64]  # strides multiples of 8
     assert FastSm90Forward._prep(wide) is wide
+    expanded = torch.randn(2, 128, 1, 64, dtype=torch.bfloat16).expand(2, 128, 4, 64)  # head stride 0
+    got = FastSm90Forward._prep(expanded)
+    assert got.stride(2) == 64 and torch.equal(got, expanded)

@@ -262,8 +262,9 @@ class FastSm90Forward:
         # tensor has them: D is a multiple of 8; checked first because it is the cheap test)
         if t.is_contiguous() and t.data_ptr() % 16 == 0:
             return t
-        ok = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
-              and t.data_ptr() % 16 == 0)
+        # a broadcast dim (stride 0, e.g. K/V expanded over heads) is not a TMA layout: copied
+        ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+              and all(st % 8 == 0 and (st > 0 or n == 1) for st, n in zip(t.stride()[:-1], t.shape[:-1])))
         if ok:
             return t
         # contiguous() is a no-op on a contiguous view at an odd offset (buf[1:].view(...)): the
