@@ -6,6 +6,7 @@ the accuracy rule (O, LSE, dQ, dK, dV), and, for kv-cache calls, appends k_new/v
 from __future__ import annotations
 
 from hypothesis import example, given
+from hypothesis import strategies as st
 
 from props import harness, profiles
 from props import strategies as S
@@ -20,12 +21,24 @@ from props.strategies import Case
 @example(case=Case("batched", (1,), (1,), 2, 1, 32, 32, "float32", softcap=30.0))
 # fp32 with large logits: LSE error of the exp2/log2 domain against the fp32 oracle's
 @example(case=Case("batched", (2,), (3,), 2, 1, 96, 96, "float32", magnitude=3.0))
-# found by the gpu profile on an H100: Triton fp32 GQA backward, dV 1.2-1.4x over the bound (flat
-# softmax, q/k std 0.1); errors of 1-2 ulps of dV, from the order of the fp32 sums and the GPU's
-# approximate exp2 (the CPU interpreter passes). Open: README, "Known limits"
-@example(case=Case("batched", (24,), (24,), 3, 1, 32, 32, "float32", backward=True, magnitude=0.1))
-@example(case=Case("batched", (159,), (159,), 2, 1, 32, 32, "float32", backward=True, magnitude=0.1))
 def test_batched_matches_oracle(shard, case):
+    harness.assert_matches_oracle(S.materialize(case))
+
+
+# Found by the gpu profile on an H100: Triton fp32 GQA backward, dV 1.2-1.4x over the bound (flat
+# softmax, q/k std 0.1); errors of 1-2 ulps of dV, from the order of the fp32 sums and the GPU's
+# approximate exp2 (the CPU interpreter passes). Open: README, "Limits worth knowing". Their own
+# property rather than @example rows of the one above: a case of 24 rows also trips the planted
+# tile bug of tests/test_planted_bugs.py, whose point is that the drawn examples catch it.
+FP32_GQA_BACKWARD_FINDS = [
+    Case("batched", (24,), (24,), 3, 1, 32, 32, "float32", backward=True, magnitude=0.1),
+    Case("batched", (159,), (159,), 2, 1, 32, 32, "float32", backward=True, magnitude=0.1),
+]
+
+
+@profiles.examples(1.0)
+@given(case=st.sampled_from(FP32_GQA_BACKWARD_FINDS))
+def test_fp32_gqa_backward_found_on_gpu(case):
     harness.assert_matches_oracle(S.materialize(case))
 
 
