@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from . import api
+from .spec import value_checks_enabled
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
            "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
@@ -137,7 +138,14 @@ def _gather_paged(cache, block_table, cu_seqlens_k, total_k: int):
     t = torch.arange(total_k, device=cache.device)
     b = torch.searchsorted(cu_seqlens_k[1:].long(), t, right=True)
     j = t - cu_seqlens_k.long()[b]
+    if value_checks_enabled() and total_k:  # as build_kvcache checks page_table (reads the device)
+        longest = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+        if -(-longest // ps) > block_table.shape[1]:
+            raise ValueError(f"block_table: {block_table.shape[1]} pages per sequence cannot hold a sequence of "
+                             f"{longest} keys with page size {ps}")
     page = block_table.long()[b, j // ps]
+    if value_checks_enabled() and page.numel() and (int(page.min()) < 0 or int(page.max()) >= cache.shape[0]):
+        raise ValueError(f"block_table: entries must lie in [0, num_pages={cache.shape[0]})")
     return cache[page, j % ps]
 
 

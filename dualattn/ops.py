@@ -139,12 +139,14 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
     with _autograd_inside_op():
         dq, dk, dv = chosen.backward(call, out, lse, dout.contiguous())
     ins = (dout, q, k, v, out, lse)
-    return _fresh(dq, *ins), _fresh(dk, *ins), _fresh(dv, *ins)
+    # contiguous, whatever each implementation's layout (the oracle's autograd and fast-sm120 give
+    # contiguous gradients, Triton empty_like's): the fake below must describe the real strides
+    return tuple(_fresh(g.contiguous(), *ins) for g in (dq, dk, dv))
 
 
 @_bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
 
 
 _TENSOR_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "key_ranges", "bs_full_rowptr", "bs_full_col",

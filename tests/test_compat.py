@@ -338,3 +338,18 @@ def test_compat_compiles_without_graph_break():
     torch.testing.assert_close(d, flash_attn_with_kvcache(q[:, -1:].detach(), kc, vc, cache_seqlens=5, causal=True,
                                                           impl="torch"))
     assert q.grad is not None and not counters["graph_break"]
+
+
+def test_paged_varlen_block_table_values_are_checked():
+    from dualattn.compat import flash_attn_varlen_func
+    kc, vc = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2, 8)
+    q = torch.randn(5, 2, 8)
+    cu_q = torch.tensor([0, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6], dtype=torch.int32)
+    for table, words in (([[-1, 0]], "entries must lie"), ([[0, 3]], "entries must lie"), ([[0]], "pages per sequence")):
+        with pytest.raises(ValueError, match=words):
+            flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 5, 6, block_table=torch.tensor(table, dtype=torch.int32),
+                                   impl="torch")
+    out = flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 5, 6, block_table=torch.tensor([[2, 0]], dtype=torch.int32),
+                                 impl="torch")
+    assert out.shape == q.shape

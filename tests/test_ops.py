@@ -354,3 +354,17 @@ def test_compile_fullgraph_on_gpu():
     want = dualattn.attention(q, k, v, causal=True)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     assert not counters["graph_break"]
+
+
+def test_bwd_fake_strides_match_for_transposed_inputs():
+    # the layout the transformers integration passes: (B, H, S, D).transpose(1, 2); the fake
+    # gradients must have the real ones' strides (inductor asserted on the mismatch)
+    torch.manual_seed(0)
+    B, S, H, Hkv, D = 2, 12, 4, 2, 16
+    q = torch.randn(B, H, S, D).transpose(1, 2)
+    k = torch.randn(B, Hkv, S, D).transpose(1, 2)
+    v = torch.randn(B, Hkv, S, D).transpose(1, 2)
+    out, lse = ops.attention(q, k, v, causal=True, return_lse=True, impl="torch")
+    args = (torch.randn_like(out), q, k, v, out, lse, None, None, 0, 0, None, None, None, None, None,
+            [0, 0, 0, 0], True, -1, -1, 0.0, 0.0, False, "torch")
+    torch.library.opcheck(torch.ops.dualattn.bwd.default, args)
