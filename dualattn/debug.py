@@ -127,6 +127,55 @@ def _locate(call, name: str, idx) -> str:
     return f"worst {name}: {where}"
 
 
+def localize_key_blocks(call, chosen, block_n: int = 128, max_blocks: int = 64) -> str:
+    """Which key blocks are wrong on their own: the forward of ``chosen`` is run once per key block
+    of ``block_n`` keys with every row's keys restricted to that block (key ranges intersected with
+    the call's own), each against the oracle under the accuracy rule. A block that fails alone is
+    named; when every block agrees alone, the error is in combining them (the online softmax's
+    running max / rescaling), which is said instead. Forward outputs of batched and varlen calls."""
+    from dataclasses import replace
+
+    spec = call.spec
+    if spec.mode not in ("batched", "varlen"):
+        return "key blocks: not localised for kv-cache calls"
+    n_blocks = -(-spec.seqlen_k // block_n)
+    if n_blocks == 0:
+        return "key blocks: the call has no keys"
+    dev = call.q.device
+    rows = call.q.shape[1] if spec.mode == "batched" else call.q.shape[0]
+    kr0 = call.key_ranges
+    if kr0 is None:
+        kr0 = torch.tensor([0, 2 ** 31 - 1], dtype=torch.int32, device=dev).expand(1, 1, rows, 1, 2)
+    failing, skipped = [], n_blocks > max_blocks
+    for blk in range(min(n_blocks, max_blocks)):
+        lo_b, hi_b = blk * block_n, min((blk + 1) * block_n, spec.seqlen_k)
+        lo = kr0[..., 0].clamp(lo_b, hi_b)
+        hi = torch.maximum(lo, kr0[..., 1].clamp(lo_b, hi_b))
+        kr = torch.stack([lo, hi], -1).to(torch.int32).contiguous()
+        sub_spec = replace(spec, num_key_ranges=kr.shape[3], needs_grad=False)
+        reason = chosen.can_implement(sub_spec)
+        if reason is not None:
+            return f"key blocks: not localised ({chosen.name} refuses the restricted calls: {reason})"
+        sub = replace(call, spec=sub_spec, key_ranges=kr, extra={})
+        out, lse = chosen.forward(sub)
+        if not all(c.ok for c in accuracy.check_outputs(sub, out, lse)):
+            failing.append(blk)
+    tail = f" (first {max_blocks} of {n_blocks} checked)" if skipped else ""
+    if failing:
+        return f"key blocks of {block_n} keys that fail on their own: {failing}{tail}"
+    return (f"every key block of {block_n} keys agrees with the oracle on its own{tail}: the error is in "
+            f"combining blocks (running max / rescaling of the online softmax)")
+
+
+def _add_key_block_location(rep, call, chosen) -> None:
+    if any(not c.ok for c in rep.checks if c.name in ("out", "lse")):
+        try:  # a debugging aid: never let it hide the mismatch itself
+            bn = call.spec.block_size[1] if call.spec.block_size else 128
+            rep.locations.append(localize_key_blocks(call, chosen, bn))
+        except Exception as e:
+            rep.locations.append(f"key blocks: not localised ({type(e).__name__}: {e})")
+
+
 def _varlen_row(call, t, keys=False):
     cu = (call.cu_seqlens_k if keys else call.cu_seqlens_q).cpu()
     b = int(torch.searchsorted(cu, torch.tensor([t], dtype=cu.dtype), right=True)[0]) - 1
@@ -155,6 +204,7 @@ def compare(call, impl: str = "auto", *, backward: bool = False, repro_dir: Opti
         checks = accuracy.check_outputs(call, out, lse)
     rep = Report(chosen.name, call.spec, checks)
     rep.locations = [_locate(call, c.name, c.worst) for c in checks if not c.ok and c.worst is not None]
+    _add_key_block_location(rep, call, chosen)
     if not rep.ok and repro_dir is not None:
         rep.repro_path = save_repro(call, chosen.name, repro_dir, backward=backward, dout=dout)
     return rep
@@ -165,6 +215,7 @@ def check_against_reference(call, chosen, out, lse) -> None:
     rep = Report(chosen.name, call.spec, checks)
     if not rep.ok:
         rep.locations = [_locate(call, c.name, c.worst) for c in checks if not c.ok]
+        _add_key_block_location(rep, call, chosen)
         rep.repro_path = save_repro(call, chosen.name, os.environ.get("DUALATTN_REPRO_DIR", "repros"))
         raise MismatchError(rep)
 

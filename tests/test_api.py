@@ -240,3 +240,49 @@ def test_cli_fuzz_from_another_directory(tmp_path):
                        text=True, cwd=str(tmp_path), env=env, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "test_differential.py" in r.stdout
+
+
+class _ZeroedKeyBlock:
+    """Reads zeros for the values of keys 128..255 (key block 1): wrong only where they are seen."""
+
+    name = "zeroed-key-block-test-impl"
+    family = "fast"
+
+    def can_implement(self, spec):
+        return None if spec.mode == "batched" and not spec.needs_grad else "test impl: batched forward only"
+
+    def forward(self, call):
+        from dataclasses import replace
+        from dualattn.reference.torch_ref import attention_ref
+
+        v = call.v.clone()
+        v[:, 128:256] = 0
+        r = attention_ref(replace(call, v=v))
+        return r.out.to(call.spec.dtype), r.lse
+
+
+class _WrongOnlyWhenCombined(_ZeroedKeyBlock):
+    """Right on any call restricted to one key block, 1 % off on the call itself."""
+
+    name = "wrong-when-combined-test-impl"
+
+    def forward(self, call):
+        from dualattn.reference.torch_ref import attention_ref
+
+        r = attention_ref(call)
+        scale = 1.0 if call.key_ranges is not None else 1.01
+        return (r.out * scale).to(call.spec.dtype), r.lse
+
+
+def test_compare_names_the_key_block_that_fails_alone():
+    q, k, v = qkv(sq=70, sk=300)
+    call = S.build_dense(q, k, v, return_lse=True)
+    dispatch.implementations()  # load the providers before replacing the fast family
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(dispatch._REGISTRY, "fast", [_ZeroedKeyBlock(), _WrongOnlyWhenCombined()])
+        rep = debug.compare(call, _ZeroedKeyBlock.name)
+        assert not rep.ok
+        assert "key blocks of 128 keys that fail on their own: [1]" in str(rep), str(rep)
+        rep = debug.compare(call, _WrongOnlyWhenCombined.name)
+        assert not rep.ok
+        assert "agrees with the oracle on its own" in str(rep) and "combining blocks" in str(rep), str(rep)
