@@ -130,3 +130,21 @@ def test_mask_to_key_ranges():
     assert kr[0, 0, :, 0].tolist() == [[1, 3], [0, 0], [4, 5]]
     add = torch.where(m, 0.0, torch.finfo(torch.float32).min)
     assert torch.equal(hf.mask_to_key_ranges(add), kr)
+
+
+def test_prefill_into_a_static_cache_matches_sdpa():
+    # transformers passes no mask for a prefill into a static cache and relies on SDPA's top-left
+    # causal; the keys include the cache's unused (zero) tail, which must stay invisible
+    ref, ours = _pair(_config())
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        outs = [m(input_ids=ids, past_key_values=transformers.StaticCache(config=m.config, max_cache_len=32),
+                  use_cache=True).logits for m in (ref, ours)]
+    _close(outs[1], outs[0])
+
+
+def test_attention_sinks_are_refused():
+    fwd = hf.make_attention_forward("torch")
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        fwd(torch.nn.Module(), q, q, q, None, s_aux=torch.zeros(2))

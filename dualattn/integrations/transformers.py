@@ -68,11 +68,20 @@ def make_attention_forward(impl: str = "auto"):
         if kwargs.get("output_attentions"):
             raise NotImplementedError("dualattn never materialises attention probabilities (output_attentions=True); "
                                       "use attn_implementation='eager'")
+        for sink in ("s_aux", "sinks"):  # GPT-OSS-style attention sinks: an extra logit per head
+            if kwargs.get(sink) is not None:
+                raise NotImplementedError(f"dualattn does not implement attention sinks ({sink}); "
+                                          "use attn_implementation='eager' or 'sdpa'")
         # transformers: (B, H, S, D); dualattn: (B, S, H, D)
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         kw = dict(scale=scaling, softcap=float(softcap or 0.0), impl=impl)
         if attention_mask is None:
+            if causal and 1 < q.shape[1] < k.shape[1]:
+                # no mask with more keys than queries: transformers means SDPA's top-left causal here
+                # (a prefill into a static cache, whose unused tail it leaves unmasked), so query i
+                # sees keys 0..i; keys past the last query are never visible
+                k, v = k[:, : q.shape[1]], v[:, : q.shape[1]]
             window = (-1, -1)
             if sliding_window is not None and causal:
                 # transformers' sliding window of n: key j visible from query i iff i - n < j <= i
