@@ -191,7 +191,10 @@ def key_ranges_recipes(draw, case_mode: str, batch: int, sq: int, sk: int, kinds
     per_head = draw(st.booleans())
     nb = batch if per_batch else 1
     if kind == "docs":
-        return KeyRanges("docs", 1, per_batch, False, docs=tuple(draw(documents(sq)) for _ in range(nb)))
+        # documents pair query i with key i, so they cover at most min(Sq, Sk) positions; rows past
+        # the last document see nothing (a caller may ask for docs with Sq != Sk: the emptying cases)
+        span = min(sq, sk)
+        return KeyRanges("docs", 1, per_batch, False, docs=tuple(draw(documents(span)) for _ in range(nb)))
     if kind == "prefix":
         # R=2 writes prefix-LM as two overlapping intervals [0, p) and [0, diag+1)
         return KeyRanges("prefix", draw(st.sampled_from([1, 2])), per_batch, False,
