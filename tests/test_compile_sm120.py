@@ -109,14 +109,17 @@ def test_smem_formula_matches_compiled():
 
 
 # ---------------------------------------------------------------------------- backward (fast-sm120-train)
-# (arch, dtype, head_dim, varlen, causal, window, deterministic): both head dims (their tile configs
+# (arch, dtype, head_dim, varlen, causal, window, deterministic[, softcap, num_key_ranges]): both head
+# dims (their tile configs
 # decide smem, registers and the pipeline schedule: hd64 double-buffers Q/dO, hd128 writes dS^T over
 # dO), both dtypes, every flag of the backward compile key at least once, sm_80 (scalar dQ atomics)
 # and sm_120 (vector dQ atomics)
 BWD_CONFIGS = [
     (120, torch.bfloat16, 64, False, True, (-1, -1), True),
-    (120, torch.float16, 128, True, False, (64, 16), False),
+    (120, torch.float16, 128, True, False, (64, 16), False, 30.0, 0),
     (120, torch.bfloat16, 128, False, True, (-1, -1), True),
+    (120, torch.bfloat16, 64, True, True, (-1, -1), True, 0.0, 2),
+    (120, torch.float16, 128, False, False, (-1, -1), False, 10.0, 1),
     (80, torch.float16, 64, True, False, (-1, -1), False),
     (80, torch.bfloat16, 128, False, True, (32, -1), True),
 ]
@@ -124,7 +127,8 @@ BWD_CONFIGS = [
 
 def _bwd_id(c):
     return (f"sm{c[0]}-{str(c[1])[6:]}-d{c[2]}{'-varlen' if c[3] else ''}{'-causal' if c[4] else ''}"
-            f"{'-win' if c[5] != (-1, -1) else ''}{'-det' if c[6] else ''}")
+            f"{'-win' if c[5] != (-1, -1) else ''}{'-det' if c[6] else ''}"
+            f"{'-softcap' if len(c) > 7 and c[7] else ''}{'-keyranges' if len(c) > 8 and c[8] else ''}")
 
 
 def _check_cubin(fn, arch):
@@ -142,13 +146,14 @@ def _check_cubin(fn, arch):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=_bwd_id)
 def test_bwd_compiles(cfg):
-    arch, dtype, d, varlen, causal, window, det = cfg
+    arch, dtype, d, varlen, causal, window, det = cfg[:7]
+    softcap, num_kr = cfg[7:9] if len(cfg) > 7 else (0.0, 0)
     from dataclasses import replace
 
     from dualattn.fast.sm120.bwd import bwd_tile_config
     from dualattn.fast.sm120.bwd_impl import backward_reason, compile_key, compile_uncached
 
-    spec = replace(_spec(dtype, d, varlen, causal, window, 0.0), deterministic=det, needs_grad=True)
+    spec = replace(_spec(dtype, d, varlen, causal, window, softcap, num_kr), deterministic=det, needs_grad=True)
     assert backward_reason(spec) is None
     with tempfile.TemporaryDirectory() as tmp:
         fn, kern = compile_uncached(compile_key(spec, arch), arch, f"--keep-ptx --keep-cubin --dump-dir {tmp}")

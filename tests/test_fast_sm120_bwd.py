@@ -122,6 +122,51 @@ def test_deterministic_bitwise(D, causal, shape):
     _run_and_check(call, bitwise_reruns=3)
 
 
+@pytest.mark.parametrize("D,causal,window", [(64, False, (-1, -1)), (128, True, (-1, -1)), (128, False, (40, 8))])
+@gpu_test
+def test_softcap(D, causal, window):
+    # q scaled up so that tanh saturates on part of the tile (the 1 - tanh^2 factor matters)
+    q, k, v = _qkv(2, 203, 317, 6, 2, D, torch.bfloat16, seed=D + causal)
+    _run_and_check(build_dense(q * 4, k, v, causal=causal, window=window, softcap=20.0, return_lse=True), seed=D)
+
+
+@pytest.mark.parametrize("R,causal,D", [(1, False, 128), (2, True, 64), (4, False, 64)])
+@gpu_test
+def test_key_ranges_random(R, causal, D):
+    # per (batch, head) random intervals, a row with every interval empty (zero dQ), GQA 4/2
+    B, Sq, Sk, Hq = 2, 260, 333, 4
+    g = torch.Generator().manual_seed(R * 10 + causal)
+    a = torch.randint(0, Sk + 1, (B, Hq, Sq, R, 2), generator=g)
+    kr = torch.stack([a.min(-1).values, a.max(-1).values], -1).to(torch.int32)
+    kr[:, :, 5] = 0
+    q, k, v = _qkv(B, Sq, Sk, Hq, 2, D, torch.bfloat16, seed=R)
+    _run_and_check(build_dense(q, k, v, causal=causal, key_ranges=kr.cuda(), return_lse=True))
+
+
+@gpu_test
+def test_key_ranges_documents_softcap_deterministic_bitwise():
+    # packed documents broadcast over batch and heads, with softcap, in deterministic mode
+    from dualattn import segments_to_key_ranges
+    S = 700
+    kr = segments_to_key_ranges([[100, 250, 300]], S, causal=True, device="cuda")
+    q, k, v = _qkv(2, S, S, 4, 4, 128, torch.float16, seed=11)
+    _run_and_check(build_dense(q, k, v, key_ranges=kr, softcap=15.0, deterministic=True, return_lse=True),
+                   bitwise_reruns=2)
+
+
+@gpu_test
+def test_key_ranges_varlen():
+    lens = [50, 0, 300, 17]
+    cq = torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32)
+    T = sum(lens)
+    g = torch.Generator().manual_seed(5)
+    lo = torch.randint(0, 18, (1, 2, T, 1, 1), generator=g)  # every interval inside the shortest sequence (17)
+    kr = torch.cat([lo, lo + torch.randint(0, 60, lo.shape, generator=g)], -1).clamp(max=17).to(torch.int32).cuda()
+    gq = torch.Generator(device="cuda").manual_seed(6)
+    q, k, v = (torch.randn(T, 2, 64, device="cuda", dtype=torch.bfloat16, generator=gq) for _ in range(3))
+    _run_and_check(build_varlen(q, k, v, cq, cq, max(lens), max(lens), key_ranges=kr, return_lse=True))
+
+
 @gpu_test
 def test_deterministic_window_varlen_bitwise():
     lens = [300, 0, 517, 64]
@@ -181,8 +226,6 @@ def _spec(**kw):
 
 @pytest.mark.parametrize("kw,words", [
     (dict(needs_grad=False), "training calls only"),
-    (dict(softcap=10.0), "softcap"),
-    (dict(num_key_ranges=1), "key ranges"),
     (dict(block_size=(128, 128)), "block-sparse"),
     (dict(head_dim=96, head_dim_v=96), "head dim"),
     (dict(head_dim=256, head_dim_v=256), "head dim"),

@@ -31,18 +31,24 @@ def apply_mask(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, row0: Int32, col0: I
 
 @cute.jit
 def load_key_ranges(mKR: cute.Tensor, base: Int32, row0: Int32, tScS_mn: cute.Tensor, tile_row0: Int32,
-                    seqlen_q: Int32, num_ranges: cutlass.Constexpr):
-    """This thread's rows' ``num_ranges`` half-open key intervals (rows, R, 2) in registers.
+                    seqlen_q: Int32, num_ranges: cutlass.Constexpr, query_mode: cutlass.Constexpr = 0):
+    """This thread's query rows' ``num_ranges`` half-open key intervals (queries, R, 2) in registers.
 
-    ``mKR`` is flat; row i's intervals start at ``base + (row0 + i) * 2R``. Rows past seqlen_q get
-    empty intervals. Also returns the min lo / max hi over this thread's non-empty intervals.
+    ``query_mode`` says which mode of the fragment indexes queries: 0 for S (forward), 1 for the
+    backward's S^T (keys x queries). ``mKR`` is flat; query i's intervals start at
+    ``base + (row0 + i) * 2R``. Queries past seqlen_q get empty intervals. Also returns the min lo /
+    max hi over this thread's non-empty intervals.
     """
-    nrows = cute.size(tScS_mn.shape[0])
+    nrows = cute.size(tScS_mn.shape[query_mode])
     kr = cute.make_rmem_tensor((nrows, num_ranges, 2), Int32)
     lo_min = Int32(2 ** 30)
     hi_max = Int32(0)
     for r in cutlass.range_constexpr(nrows):
-        i = tScS_mn[r, 0][0] + tile_row0
+        i = tile_row0
+        if cutlass.const_expr(query_mode == 0):
+            i = tScS_mn[r, 0][0] + tile_row0
+        else:
+            i = tScS_mn[0, r][1] + tile_row0
         for q in cutlass.range_constexpr(num_ranges):
             lo = Int32(0)
             hi = Int32(0)
@@ -60,14 +66,20 @@ def load_key_ranges(mKR: cute.Tensor, base: Int32, row0: Int32, tScS_mn: cute.Te
 
 @cute.jit
 def apply_key_ranges(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, col0: Int32, kr: cute.Tensor,
-                     num_ranges: cutlass.Constexpr):
-    """-inf where key j lies in none of the row's intervals."""
+                     num_ranges: cutlass.Constexpr, query_mode: cutlass.Constexpr = 0):
+    """-inf where key j lies in none of its query's intervals. ``kr`` comes from load_key_ranges with
+    the same ``query_mode``; ``col0`` is the tile's first key."""
     for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
         for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
-            j = tScS_mn[0, c][1] + col0
+            qi = r if query_mode == 0 else c  # both Python ints: the loops are unrolled
+            j = col0
+            if cutlass.const_expr(query_mode == 0):
+                j = tScS_mn[0, c][1] + col0
+            else:
+                j = tScS_mn[r, 0][0] + col0
             inside = Boolean(False)
             for q in cutlass.range_constexpr(num_ranges):
-                inside = inside or (j >= kr[r, q, 0] and j < kr[r, q, 1])
+                inside = inside or (j >= kr[qi, q, 0] and j < kr[qi, q, 1])
             if not inside:
                 acc_S_mn[r, c] = -Float32.inf
 

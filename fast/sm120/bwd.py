@@ -7,6 +7,8 @@ block (causal/window bounds, inverted):
 
     wait Q[m], dO[m] (cp.async) -> S^T = K Q^T, dP^T = V dO^T (keys on the M side)
     -> P^T = exp2(S^T * scale*log2e - LSE2), dS^T = P^T (dP^T - delta) * scale   (fp32 registers)
+       (softcap: S^T = cap tanh(S^T scale / cap) first, and dS^T gains the factor 1 - tanh^2;
+       key ranges: each query column's intervals, loaded per step, mask the keys it cannot see)
     -> dV += P^T dO, dK += dS^T Q (P^T / dS^T reused from the accumulator registers as A operand)
     -> dS^T to smem -> dQ[m] = dS K (ldmatrix.trans of both) -> fp32 atomics into the dQ accumulator
 
@@ -47,7 +49,9 @@ from cutlass._mlir.dialects import vector
 
 from dualattn.fast.common.block_info import block_needs_mask, n_block_range
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
+from dualattn.fast.common.mask import apply_key_ranges, load_key_ranges
 from dualattn.fast.common.seqlen_info import seq_bounds
+from dualattn.fast.common.softmax import LOG2_E
 
 SMEM_LIMIT_SM120 = 99 * 1024
 
@@ -117,7 +121,8 @@ class FlashBwdSm80:
     """dK/dV (and dQ by atomics) kernel for one static configuration."""
 
     def __init__(self, dtype, head_dim: int, cfg: BwdTileConfig, *, varlen: bool, has_left: bool,
-                 has_right: bool, deterministic: bool, vec_red: bool = False):
+                 has_right: bool, deterministic: bool, vec_red: bool = False, has_softcap: bool = False,
+                 num_key_ranges: int = 0):
         self.dtype = dtype
         self.head_dim = head_dim
         self.cfg = cfg
@@ -129,6 +134,8 @@ class FlashBwdSm80:
         self.has_right = has_right
         self.deterministic = deterministic
         self.vec_red = vec_red  # red.global.add.v2.f32 (sm_90+): half the dQ atomic requests
+        self.has_softcap = has_softcap
+        self.num_key_ranges = num_key_ranges  # R of key_ranges (static: a column's intervals live in registers)
         warps = self.num_threads // 32
         # each warp owns tile_n / warps key rows (16 or 32): its rows of S^T, dP^T, dK, dV
         assert self.tile_n % (16 * warps) == 0 and self.tile_n // warps in (16, 32)
@@ -143,9 +150,11 @@ class FlashBwdSm80:
     def __call__(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pdO: cute.Pointer,
                  pdK: cute.Pointer, pdV: cute.Pointer, pdQ: cute.Pointer, pLSE: cute.Pointer,
                  pDelta: cute.Pointer, pSem: cute.Pointer, pCuQ: cute.Pointer, pCuK: cute.Pointer,
+                 pKR: cute.Pointer,
                  total_q: Int32, total_k: Int32, seqlen_q: Int32, seqlen_k: Int32, num_batch: Int32,
                  heads_q: Int32, heads_kv: Int32, lse_stride_h: Int32, lse_stride_b: Int32,
-                 win_left: Int32, win_right: Int32, n_mblocks: Int32, scale_log2: Float32, scale: Float32,
+                 win_left: Int32, win_right: Int32, n_mblocks: Int32, kr_sb: Int32, kr_sh: Int32,
+                 scale_log2: Float32, scale: Float32, softcap_scale: Float32, softcap: Float32,
                  stream):
         D = self.head_dim
         sq = cute.assume(heads_q * D, divby=64)
@@ -163,6 +172,7 @@ class FlashBwdSm80:
         mSem = cute.make_tensor(pSem, flat)
         mCuQ = cute.make_tensor(pCuQ, cute.make_layout(num_batch + 1))
         mCuK = cute.make_tensor(pCuK, cute.make_layout(num_batch + 1))
+        mKR = cute.make_tensor(pKR, flat)
 
         S = self.stages
         sq_layout, k_atom = _staged_layout(self.dtype, self.tile_m, D, S)
@@ -206,17 +216,18 @@ class FlashBwdSm80:
             grid = (heads_kv, num_batch, cute.ceil_div(seqlen_k, self.tile_n))
         else:
             grid = (cute.ceil_div(seqlen_k, self.tile_n), heads_kv, num_batch)
-        self.kernel(mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE, mDelta, mSem, mCuQ, mCuK, seqlen_q, seqlen_k,
-                    heads_q, heads_kv, lse_stride_h, lse_stride_b, win_left, win_right, n_mblocks,
-                    scale_log2, scale, sq_layout, sk_layout, sds_layout, g2s, s2g, mma_kv, mma_q, Smem).launch(
+        self.kernel(mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE, mDelta, mSem, mCuQ, mCuK, mKR, seqlen_q, seqlen_k,
+                    heads_q, heads_kv, lse_stride_h, lse_stride_b, win_left, win_right, n_mblocks, kr_sb, kr_sh,
+                    scale_log2, scale, softcap_scale, softcap, sq_layout, sk_layout, sds_layout, g2s, s2g, mma_kv, mma_q, Smem).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mdQ: cute.Tensor, mLSE: cute.Tensor, mDelta: cute.Tensor, mSem: cute.Tensor,
-               mCuQ: cute.Tensor, mCuK: cute.Tensor, seqlen_q_arg: Int32, seqlen_k_arg: Int32,
+               mCuQ: cute.Tensor, mCuK: cute.Tensor, mKR: cute.Tensor, seqlen_q_arg: Int32, seqlen_k_arg: Int32,
                heads_q: Int32, heads_kv: Int32, lse_stride_h: Int32, lse_stride_b: Int32,
-               win_left: Int32, win_right: Int32, n_mblocks: Int32, scale_log2: Float32, scale: Float32,
+               win_left: Int32, win_right: Int32, n_mblocks: Int32, kr_sb: Int32, kr_sh: Int32,
+               scale_log2: Float32, scale: Float32, softcap_scale: Float32, softcap: Float32,
                sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout, sds_layout: cute.ComposedLayout,
                g2s: cute.TiledCopy, s2g: cute.TiledCopy, mma_kv: cute.TiledMma, mma_q: cute.TiledMma,
                Smem: cutlass.Constexpr):
@@ -362,18 +373,38 @@ class FlashBwdSm80:
 
                 acc_S_mn = acc_mn_view(acc_S)
                 acc_dP_mn = acc_mn_view(acc_dP)
+                if cutlass.const_expr(self.has_softcap):
+                    # s = cap * tanh(s * scale / cap) in natural-log units, before any -inf of the masks
+                    for i in cutlass.range_constexpr(cute.size(acc_S)):
+                        acc_S[i] = softcap * cute.math.tanh(acc_S[i] * softcap_scale, fastmath=True)
                 if block_needs_mask(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left, win_right,
                                     self.has_left, self.has_right):
                     self.mask_t(acc_S_mn, tScS_mn, m_block * tile_m, n_block * tile_n, seqlen_q, seqlen_k,
                                 win_left, win_right)
+                if cutlass.const_expr(self.num_key_ranges > 0):
+                    kr_row0 = Int32(0)
+                    if cutlass.const_expr(self.varlen):
+                        kr_row0 = q_start
+                    kr, _, _ = load_key_ranges(mKR, kr_sb * batch + kr_sh * head, kr_row0, tScS_mn,
+                                               m_block * tile_m, seqlen_q, self.num_key_ranges, 1)
+                    apply_key_ranges(acc_S_mn, tScS_mn, n_block * tile_n, kr, self.num_key_ranges, 1)
+                # softcap: the scores are already scaled; exp2 needs only the change of base
+                sl2 = Float32(LOG2_E) if cutlass.const_expr(self.has_softcap) else scale_log2
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
                     qc = tScS_mn[0, c][1] + stg * tile_m
                     lse2 = sLSE[qc]
                     dlt = sDelta[qc]
                     for r in cutlass.range_constexpr(cute.size(acc_S_mn.shape[0])):
-                        p = cute.math.exp2(acc_S_mn[r, c] * scale_log2 - lse2, fastmath=True)
+                        s_rc = acc_S_mn[r, c]
+                        p = cute.math.exp2(s_rc * sl2 - lse2, fastmath=True)
                         acc_S_mn[r, c] = p
-                        acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dlt) * scale
+                        if cutlass.const_expr(self.has_softcap):
+                            # d(cap tanh(x scale / cap))/dx = scale (1 - tanh^2); a masked score is -inf
+                            # (p = 0): the clamp keeps its factor finite (0) instead of 0 * inf
+                            t = cutlass.max(s_rc / softcap, Float32(-1.0))
+                            acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dlt) * (scale * (Float32(1.0) - t * t))
+                        else:
+                            acc_dP_mn[r, c] = p * (acc_dP_mn[r, c] - dlt) * scale
 
                 rP = cute.make_fragment_like(acc_S, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))

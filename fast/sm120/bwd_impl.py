@@ -32,10 +32,6 @@ def backward_reason(spec) -> Optional[str]:
     """None when the backward kernel serves ``spec`` (forward checks already passed), else why not."""
     if spec.head_dim not in SUPPORTED_HEAD_DIMS:
         return f"backward: head dim {spec.head_dim} not supported (head dims {SUPPORTED_HEAD_DIMS})"
-    if spec.softcap > 0:
-        return "backward: softcap not supported"
-    if spec.num_key_ranges > 0:
-        return "backward: key ranges not supported"
     if spec.has_block_sparse:
         return "backward: block-sparse not supported"
     if bwd_tile_config(spec.head_dim).smem_bytes(spec.head_dim) > SMEM_LIMIT_SM120:
@@ -52,16 +48,16 @@ def backward_reason(spec) -> Optional[str]:
 def compile_key(spec, arch: int) -> tuple:
     has_left, has_right, _, _ = _window_bounds(spec)
     return ("bwd", str(spec.dtype), spec.head_dim, bwd_tile_config(spec.head_dim), spec.mode == "varlen",
-            has_left, has_right, bool(spec.deterministic), arch)
+            has_left, has_right, bool(spec.deterministic), spec.softcap > 0, spec.num_key_ranges, arch)
 
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
     import cutlass
-    _, dt, d, cfg, varlen, has_left, has_right, det, _arch = key
+    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, _arch = key
     cdt = {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
     # vector fp32 reductions (red.global.add.v2.f32) exist from sm_90 on
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
-                        vec_red=_arch >= 90)
+                        vec_red=_arch >= 90, has_softcap=has_softcap, num_key_ranges=num_kr)
 
 
 def _ptrs(kernel_dtype, addrs):
@@ -71,10 +67,10 @@ def _ptrs(kernel_dtype, addrs):
     def ptr(dt, addr, align):
         return cute.runtime.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=align)
 
-    q, k, v, do, dk, dv, dq, lse, delta, sem, cuq, cuk = addrs
+    q, k, v, do, dk, dv, dq, lse, delta, sem, cuq, cuk, kr = addrs
     return [ptr(kernel_dtype, q, 16), ptr(kernel_dtype, k, 16), ptr(kernel_dtype, v, 16), ptr(kernel_dtype, do, 16),
             ptr(kernel_dtype, dk, 16), ptr(kernel_dtype, dv, 16), ptr(Float32, dq, 16), ptr(Float32, lse, 4),
-            ptr(Float32, delta, 4), ptr(Int32, sem, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4)]
+            ptr(Float32, delta, 4), ptr(Int32, sem, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4), ptr(Int32, kr, 4)]
 
 
 def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
@@ -84,8 +80,8 @@ def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
     from cutlass import Float32, Int32
 
     kern = build_kernel(key)
-    p = _ptrs(kern.dtype, (1 << 20,) * 12)
-    args = p + [Int32(1)] * 12 + [Float32(1.0)] * 2
+    p = _ptrs(kern.dtype, (1 << 20,) * 13)
+    args = p + [Int32(1)] * 14 + [Float32(1.0)] * 4
     fn = cute.compile(kern, *args, cuda.CUstream(0),
                       options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
     return fn, kern
@@ -173,12 +169,15 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
     _, _, wl, wr = _window_bounds(spec)
     cu_q = call.cu_seqlens_q if varlen else sem
     cu_k = call.cu_seqlens_k if varlen else sem
+    from .impl import _key_range_args
+    kr_ptr, (kr_sb, kr_sh) = _key_range_args(call, sem)
+    softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
     p = _ptrs(cdt, (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                     dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr(), cu_q.data_ptr(),
-                    cu_k.data_ptr()))
+                    cu_k.data_ptr(), kr_ptr))
     with torch.cuda.device(q.device):
         fn(*p, total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb, wl, wr,
-           n_mblocks, spec.scale * LOG2_E, spec.scale, stream)
+           n_mblocks, kr_sb, kr_sh, spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap), stream)
     # keep the buffers of the asynchronous launch alive until the caller's stream moves on
     call.extra["_sm120_bwd_keepalive"] = (lse2, delta, sem, q, k, v, do, out, lse)
     dq = dq_acc[:total_q].to(spec.dtype).view(q.shape)
