@@ -109,7 +109,7 @@ def test_smem_formula_matches_compiled():
 
 
 # ---------------------------------------------------------------------------- backward (fast-sm120-train)
-# (arch, dtype, head_dim, varlen, causal, window, deterministic[, softcap, num_key_ranges]): both head
+# (arch, dtype, head_dim, varlen, causal, window, deterministic[, softcap, num_key_ranges, block_size]): both head
 # dims (their tile configs
 # decide smem, registers and the pipeline schedule: hd64 double-buffers Q/dO, hd128 writes dS^T over
 # dO), both dtypes, every flag of the backward compile key at least once, sm_80 (scalar dQ atomics)
@@ -120,6 +120,8 @@ BWD_CONFIGS = [
     (120, torch.bfloat16, 128, False, True, (-1, -1), True),
     (120, torch.bfloat16, 64, True, True, (-1, -1), True, 0.0, 2),
     (120, torch.float16, 128, False, False, (-1, -1), False, 10.0, 1),
+    (120, torch.bfloat16, 128, False, True, (-1, -1), True, 0.0, 0, (128, 128)),
+    (120, torch.float16, 64, True, False, (64, 0), True, 0.0, 1, (128, 128)),
     (80, torch.float16, 64, True, False, (-1, -1), False),
     (80, torch.bfloat16, 128, False, True, (32, -1), True),
 ]
@@ -128,7 +130,8 @@ BWD_CONFIGS = [
 def _bwd_id(c):
     return (f"sm{c[0]}-{str(c[1])[6:]}-d{c[2]}{'-varlen' if c[3] else ''}{'-causal' if c[4] else ''}"
             f"{'-win' if c[5] != (-1, -1) else ''}{'-det' if c[6] else ''}"
-            f"{'-softcap' if len(c) > 7 and c[7] else ''}{'-keyranges' if len(c) > 8 and c[8] else ''}")
+            f"{'-softcap' if len(c) > 7 and c[7] else ''}{'-keyranges' if len(c) > 8 and c[8] else ''}"
+            f"{'-blocksparse' if len(c) > 9 and c[9] else ''}")
 
 
 def _check_cubin(fn, arch):
@@ -147,13 +150,13 @@ def _check_cubin(fn, arch):
 @pytest.mark.parametrize("cfg", BWD_CONFIGS, ids=_bwd_id)
 def test_bwd_compiles(cfg):
     arch, dtype, d, varlen, causal, window, det = cfg[:7]
-    softcap, num_kr = cfg[7:9] if len(cfg) > 7 else (0.0, 0)
+    softcap, num_kr, block_size = (tuple(cfg[7:]) + (0.0, 0, None)[len(cfg) - 7:])[:3]
     from dataclasses import replace
 
-    from dualattn.fast.sm120.bwd import bwd_tile_config
-    from dualattn.fast.sm120.bwd_impl import backward_reason, compile_key, compile_uncached
+    from dualattn.fast.sm120.bwd_impl import backward_reason, compile_key, compile_uncached, tile_for
 
-    spec = replace(_spec(dtype, d, varlen, causal, window, softcap, num_kr), deterministic=det, needs_grad=True)
+    spec = replace(_spec(dtype, d, varlen, causal, window, softcap, num_kr, block_size), deterministic=det,
+                   needs_grad=True)
     assert backward_reason(spec) is None
     with tempfile.TemporaryDirectory() as tmp:
         fn, kern = compile_uncached(compile_key(spec, arch), arch, f"--keep-ptx --keep-cubin --dump-dir {tmp}")
@@ -170,7 +173,7 @@ def test_bwd_compiles(cfg):
     static_smem = sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx))
     assert kern.smem_bytes + static_smem <= SMEM_LIMIT, (kern.smem_bytes, static_smem)
     # the formula that can_implement uses is the compiled struct (plus alignment padding only)
-    assert 0 <= kern.smem_bytes - bwd_tile_config(d).smem_bytes(d) < 2048
+    assert 0 <= kern.smem_bytes - tile_for(spec).smem_bytes(d) < 2048
 
 
 @pytest.mark.parametrize("d", [64, 128])

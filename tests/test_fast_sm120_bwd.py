@@ -167,6 +167,43 @@ def test_key_ranges_varlen():
     _run_and_check(build_varlen(q, k, v, cq, cq, max(lens), max(lens), key_ranges=kr, return_lse=True))
 
 
+@pytest.mark.parametrize("D,block,causal,det", [(64, (128, 128), False, True), (64, (128, 256), True, False),
+                                                 (128, (128, 128), True, True), (128, (256, 128), False, False),
+                                                 (128, (128, 256), False, True)])
+@gpu_test
+def test_block_sparse_random(D, block, causal, det):
+    # per (batch, query head) random ABSENT/MASK/FULL states under GQA 4/2: the heads of a group visit
+    # different query blocks; some query blocks list nothing, and many are first visited by a key
+    # block other than 0 (rank-based lock values; lock = key-block index would deadlock there).
+    # 300 x 517 ends inside the last CSR blocks on both sides.
+    from dualattn.sparse import BlockSparse
+    B, Sq, Sk, H = 2, 300, 517, 4
+    nq, nk = -(-Sq // block[0]), -(-Sk // block[1])
+    g = torch.Generator().manual_seed(D + block[0] + causal)
+    states = torch.randint(0, 3, (B, H, nq, nk), generator=g, dtype=torch.int8)
+    states[0, 1, 0, :] = 0
+    states[1, :, :, 0] = 0
+    bs = BlockSparse.from_block_states(states.cuda(), block[0], block[1], Sq, Sk)
+    q, k, v = _qkv(B, Sq, Sk, H, 2, D, torch.bfloat16, seed=D)
+    _run_and_check(build_dense(q, k, v, causal=causal, block_sparse=bs, deterministic=det, return_lse=True),
+                   bitwise_reruns=2 if det else 0)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (100, 0)])
+@gpu_test
+def test_block_sparse_exact_csr_broadcast_heads(window):
+    # the exact CSR of causal (+ window), broadcast over batch and heads, GQA 6/2, with key ranges
+    # of packed documents on the mask blocks; deterministic
+    from dualattn import segments_to_key_ranges
+    from dualattn.sparse import BlockSparse
+    S = 650
+    kr = segments_to_key_ranges([[200, 333, 117]], S, causal=True, device="cuda")
+    bs = BlockSparse.from_key_ranges(kr, S, S, 128, 128, causal=True, window=window).to("cuda")
+    q, k, v = _qkv(2, S, S, 6, 2, 128, torch.float16, seed=3)
+    _run_and_check(build_dense(q, k, v, causal=True, window=window, key_ranges=kr, block_sparse=bs,
+                               deterministic=True, return_lse=True), bitwise_reruns=1)
+
+
 @gpu_test
 def test_deterministic_window_varlen_bitwise():
     lens = [300, 0, 517, 64]
@@ -226,7 +263,7 @@ def _spec(**kw):
 
 @pytest.mark.parametrize("kw,words", [
     (dict(needs_grad=False), "training calls only"),
-    (dict(block_size=(128, 128)), "block-sparse"),
+    (dict(block_size=(32, 128)), "block-sparse block size"),
     (dict(head_dim=96, head_dim_v=96), "head dim"),
     (dict(head_dim=256, head_dim_v=256), "head dim"),
     (dict(mode="kvcache"), "kvcache"),

@@ -23,11 +23,17 @@ GQA: the query heads of a group are looped inside the CTA (dK/dV stay in registe
 instead of writing per-query-head fp32 partials and reducing: no extra HBM traffic or buffer of
 B*Sk*Hq*D fp32, no extra kernel, and the group's heads reuse the resident K/V tiles.
 
+Block-sparse: the CTA walks its key block's k->q CSR row instead of a range (mask entries, then
+full entries, per head of the group; a CSR query block is several query tiles); full entries skip
+the element predicate, keeping only the key tail.
+
 Deterministic mode: before its atomics into dQ[m], a CTA waits on the per-(batch, query head,
 query block) semaphore for the rank of its key block among the key blocks that visit that query
 block (dualattn.sparse.compute_lock_values semantics; for the dense/causal/window ranges here the
-visitors of query block m are the contiguous n_block_range(m), so the rank is n - n_min(m)), then
-releases rank + 1. Summation order is then fixed (bitwise reproducible), and a CTA only ever waits
+visitors of query block m are the contiguous n_block_range(m), so the rank is n - n_min(m); with a
+CSR it is the entry's lock value times the key tiles per CSR key block, plus the tile's place in
+it), then releases rank + 1. Missing visitors (key tiles past seqlen_k) are always the highest
+ranks, so nobody waits for them. Summation order is then fixed (bitwise reproducible), and a CTA only ever waits
 for a lower key block of the same (batch, KV head), which is earlier in the grid's launch order (in
 either grid order), so it cannot deadlock.
 
@@ -42,12 +48,12 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32
+from cutlass import Boolean, Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import vector
 
-from dualattn.fast.common.block_info import block_needs_mask, n_block_range
+from dualattn.fast.common.block_info import block_needs_mask, csr_row, n_block_range
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
 from dualattn.fast.common.mask import apply_key_ranges, load_key_ranges
 from dualattn.fast.common.seqlen_info import seq_bounds
@@ -93,7 +99,16 @@ class BwdTileConfig:
 # measured fastest with (hd128 at 2k: 0.74 against 0.66 with key blocks slowest).
 # DUALATTN_SM120_BWD_TILES="128:64,128,256,2,1,1,0;64:..." overrides entries by head dim (tuning):
 # tile_m, tile_n, threads, dq_warps_m, stages, ds_in_do[, n_slowest].
-def bwd_tile_config(head_dim: int) -> BwdTileConfig:
+def bwd_tile_config(head_dim: int, block_n: int = 0) -> BwdTileConfig:
+    """The tile of ``head_dim``; ``block_n`` > 0 is the key-block width of a block-sparse CSR, which
+    the key tile must divide (hd64's 256-key tile gives way to 128 keys with 4 warps: 0.81-1.00x FA2)."""
+    cfg = _bwd_tile_config(head_dim)
+    if block_n and block_n % cfg.tile_n and head_dim <= 64:
+        cfg = BwdTileConfig(32, 128, 128, 2, 2, False, True)
+    return cfg
+
+
+def _bwd_tile_config(head_dim: int) -> BwdTileConfig:
     for entry in os.environ.get("DUALATTN_SM120_BWD_TILES", "").split(";"):
         if entry.strip():
             hd, cfg = entry.split(":")
@@ -122,7 +137,7 @@ class FlashBwdSm80:
 
     def __init__(self, dtype, head_dim: int, cfg: BwdTileConfig, *, varlen: bool, has_left: bool,
                  has_right: bool, deterministic: bool, vec_red: bool = False, has_softcap: bool = False,
-                 num_key_ranges: int = 0):
+                 num_key_ranges: int = 0, block_sparse: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         self.cfg = cfg
@@ -136,6 +151,7 @@ class FlashBwdSm80:
         self.vec_red = vec_red  # red.global.add.v2.f32 (sm_90+): half the dQ atomic requests
         self.has_softcap = has_softcap
         self.num_key_ranges = num_key_ranges  # R of key_ranges (static: a column's intervals live in registers)
+        self.block_sparse = block_sparse  # visit the k->q CSR row of the key block instead of a range
         warps = self.num_threads // 32
         # each warp owns tile_n / warps key rows (16 or 32): its rows of S^T, dP^T, dK, dV
         assert self.tile_n % (16 * warps) == 0 and self.tile_n // warps in (16, 32)
@@ -150,11 +166,14 @@ class FlashBwdSm80:
     def __call__(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pdO: cute.Pointer,
                  pdK: cute.Pointer, pdV: cute.Pointer, pdQ: cute.Pointer, pLSE: cute.Pointer,
                  pDelta: cute.Pointer, pSem: cute.Pointer, pCuQ: cute.Pointer, pCuK: cute.Pointer,
-                 pKR: cute.Pointer,
+                 pKR: cute.Pointer, pFR: cute.Pointer, pFC: cute.Pointer, pMR: cute.Pointer, pMC: cute.Pointer,
+                 pFL: cute.Pointer, pML: cute.Pointer,
                  total_q: Int32, total_k: Int32, seqlen_q: Int32, seqlen_k: Int32, num_batch: Int32,
                  heads_q: Int32, heads_kv: Int32, lse_stride_h: Int32, lse_stride_b: Int32,
                  win_left: Int32, win_right: Int32, n_mblocks: Int32, kr_sb: Int32, kr_sh: Int32,
                  scale_log2: Float32, scale: Float32, softcap_scale: Float32, softcap: Float32,
+                 bs_ratio_m: Int32, bs_ratio_n: Int32, f_rp_sb: Int32, f_rp_sh: Int32, f_col_sb: Int32,
+                 f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32,
                  stream):
         D = self.head_dim
         sq = cute.assume(heads_q * D, divby=64)
@@ -173,6 +192,9 @@ class FlashBwdSm80:
         mCuQ = cute.make_tensor(pCuQ, cute.make_layout(num_batch + 1))
         mCuK = cute.make_tensor(pCuK, cute.make_layout(num_batch + 1))
         mKR = cute.make_tensor(pKR, flat)
+        # k->q CSR (rowptr, col of full and mask entries) and the lock values aligned with the cols
+        csr = tuple(cute.make_tensor(ptr, flat) for ptr in (pFR, pFC, pMR, pMC, pFL, pML))
+        bs_ints = (bs_ratio_m, bs_ratio_n, f_rp_sb, f_rp_sh, f_col_sb, f_col_sh, m_rp_sb, m_rp_sh, m_col_sb, m_col_sh)
 
         S = self.stages
         sq_layout, k_atom = _staged_layout(self.dtype, self.tile_m, D, S)
@@ -218,7 +240,7 @@ class FlashBwdSm80:
             grid = (cute.ceil_div(seqlen_k, self.tile_n), heads_kv, num_batch)
         self.kernel(mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE, mDelta, mSem, mCuQ, mCuK, mKR, seqlen_q, seqlen_k,
                     heads_q, heads_kv, lse_stride_h, lse_stride_b, win_left, win_right, n_mblocks, kr_sb, kr_sh,
-                    scale_log2, scale, softcap_scale, softcap, sq_layout, sk_layout, sds_layout, g2s, s2g, mma_kv, mma_q, Smem).launch(
+                    scale_log2, scale, softcap_scale, softcap, *csr, *bs_ints, sq_layout, sk_layout, sds_layout, g2s, s2g, mma_kv, mma_q, Smem).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
@@ -228,6 +250,9 @@ class FlashBwdSm80:
                heads_q: Int32, heads_kv: Int32, lse_stride_h: Int32, lse_stride_b: Int32,
                win_left: Int32, win_right: Int32, n_mblocks: Int32, kr_sb: Int32, kr_sh: Int32,
                scale_log2: Float32, scale: Float32, softcap_scale: Float32, softcap: Float32,
+               mFR: cute.Tensor, mFC: cute.Tensor, mMR: cute.Tensor, mMC: cute.Tensor, mFL: cute.Tensor,
+               mML: cute.Tensor, bs_ratio_m: Int32, bs_ratio_n: Int32, f_rp_sb: Int32, f_rp_sh: Int32,
+               f_col_sb: Int32, f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32,
                sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout, sds_layout: cute.ComposedLayout,
                g2s: cute.TiledCopy, s2g: cute.TiledCopy, mma_kv: cute.TiledMma, mma_q: cute.TiledMma,
                Smem: cutlass.Constexpr):
@@ -251,6 +276,13 @@ class FlashBwdSm80:
             m_lo, m_hi = self.m_block_range(n_block, seqlen_q, seqlen_k, win_left, win_right)
             n_m = cutlass.max(m_hi - m_lo, 0)
             n_iters = n_m * group
+            kb = n_block // bs_ratio_n  # the CSR key block holding this key tile
+            vis = (n_m, m_lo, head_kv * group, group, batch, kb, mFR, mFC, mMR, mMC, mFL, mML, bs_ratio_m,
+                   f_rp_sb, f_rp_sh, f_col_sb, f_col_sh, m_rp_sb, m_rp_sh, m_col_sb, m_col_sh)
+            if cutlass.const_expr(self.block_sparse):
+                n_iters = Int32(0)
+                for g in cutlass.range(group, unroll=1):
+                    n_iters = n_iters + self.csr_visits(g, *vis)
 
             smem = cutlass.memory.SmemAllocator()
             st = smem.allocate(Smem)
@@ -327,20 +359,19 @@ class FlashBwdSm80:
                 mma_kv)
             thr_r2s = r2s.get_slice(tidx)
             tdSsdS = thr_r2s.partition_D(sdSt)   # (CPY, N, M, stage)
-            qargs = (g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO, n_m, m_lo, head_kv * group,
+            qargs = (g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO,
                      q_start, seqlen_q, batch, lse_stride_h, lse_stride_b, tidx)
 
             # ---- prologue: K, V for the CTA's life, then Q (+ dO), LSE, delta of the first step
             self.load_rows(g2s, thr_g2s.partition_S(gK), tKsK, tKcK, seqlen_k)
             self.load_rows(g2s, thr_g2s.partition_S(gV), tVsV, tKcK, seqlen_k)
             if n_iters > 0:
-                self.load_q_step(*qargs, Int32(0), Int32(0), True, not do_at_top)
+                h0, mb0, _, _ = self.step_at(Int32(0), *vis)
+                self.load_q_step(*qargs, mb0, h0, Int32(0), True, not do_at_top)
             cute.arch.cp_async_commit_group()
 
             for it in cutlass.range(n_iters, unroll=1):
-                g = it // n_m
-                m_block = m_lo + it - g * n_m
-                head = head_kv * group + g
+                head, m_block, is_mask_entry, lock = self.step_at(it, *vis)
                 stg = Int32(0)
                 if cutlass.const_expr(two_stage):
                     stg = it % 2
@@ -353,10 +384,11 @@ class FlashBwdSm80:
                 bar.arrive_and_wait()
                 if cutlass.const_expr(two_stage):
                     if it + 1 < n_iters:
-                        self.load_q_step(*qargs, it + 1, 1 - stg, True, True)
+                        h1, mb1, _, _ = self.step_at(it + 1, *vis)
+                        self.load_q_step(*qargs, mb1, h1, 1 - stg, True, True)
                     cute.arch.cp_async_commit_group()
                 if cutlass.const_expr(do_at_top):
-                    self.load_q_step(*qargs, it, Int32(0), False, True)
+                    self.load_q_step(*qargs, m_block, head, Int32(0), False, True)
                     cute.arch.cp_async_commit_group()
 
                 acc_S = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, tile_m)), Float32)
@@ -377,17 +409,22 @@ class FlashBwdSm80:
                     # s = cap * tanh(s * scale / cap) in natural-log units, before any -inf of the masks
                     for i in cutlass.range_constexpr(cute.size(acc_S)):
                         acc_S[i] = softcap * cute.math.tanh(acc_S[i] * softcap_scale, fastmath=True)
-                if block_needs_mask(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left, win_right,
-                                    self.has_left, self.has_right):
+                if is_mask_entry:  # dense: always; block-sparse: the element predicate applies to mask entries
+                    if block_needs_mask(m_block, n_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left, win_right,
+                                        self.has_left, self.has_right):
+                        self.mask_t(acc_S_mn, tScS_mn, m_block * tile_m, n_block * tile_n, seqlen_q, seqlen_k,
+                                    win_left, win_right, True)
+                    if cutlass.const_expr(self.num_key_ranges > 0):
+                        kr_row0 = Int32(0)
+                        if cutlass.const_expr(self.varlen):
+                            kr_row0 = q_start
+                        kr, _, _ = load_key_ranges(mKR, kr_sb * batch + kr_sh * head, kr_row0, tScS_mn,
+                                                   m_block * tile_m, seqlen_q, self.num_key_ranges, 1)
+                        apply_key_ranges(acc_S_mn, tScS_mn, n_block * tile_n, kr, self.num_key_ranges, 1)
+                elif (n_block + 1) * tile_n > seqlen_k:
+                    # a full CSR entry is the caller's promise that the predicate holds: only the key tail
                     self.mask_t(acc_S_mn, tScS_mn, m_block * tile_m, n_block * tile_n, seqlen_q, seqlen_k,
-                                win_left, win_right)
-                if cutlass.const_expr(self.num_key_ranges > 0):
-                    kr_row0 = Int32(0)
-                    if cutlass.const_expr(self.varlen):
-                        kr_row0 = q_start
-                    kr, _, _ = load_key_ranges(mKR, kr_sb * batch + kr_sh * head, kr_row0, tScS_mn,
-                                               m_block * tile_m, seqlen_q, self.num_key_ranges, 1)
-                    apply_key_ranges(acc_S_mn, tScS_mn, n_block * tile_n, kr, self.num_key_ranges, 1)
+                                win_left, win_right, False)
                 # softcap: the scores are already scaled; exp2 needs only the change of base
                 sl2 = Float32(LOG2_E) if cutlass.const_expr(self.has_softcap) else scale_log2
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
@@ -416,7 +453,8 @@ class FlashBwdSm80:
                     bar.arrive_and_wait()  # B3: every warp is done with Q, dO, LSE, delta of this step
                 if cutlass.const_expr(not two_stage):
                     if it + 1 < n_iters:  # the next Q (+ dO) loads while dS^T is stored and dQ runs
-                        self.load_q_step(*qargs, it + 1, Int32(0), True, not do_at_top)
+                        h1, mb1, _, _ = self.step_at(it + 1, *vis)
+                        self.load_q_step(*qargs, mb1, h1, Int32(0), True, not do_at_top)
                     cute.arch.cp_async_commit_group()
                 cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS[None, None, None, dstg])
                 bar.arrive_and_wait()  # B4: dS^T complete in smem
@@ -426,25 +464,35 @@ class FlashBwdSm80:
                 self.gemm_ss(mma_q, acc_dQ, ld_qa_t, ld_qb_t, tQsdS[None, None, None, dstg], tQrdS_v, tQsKt,
                              tQrKt_v, tQrdS, tQrKt)
 
-                sem_idx = (batch * heads_q + head) * n_mblocks + m_block
-                if cutlass.const_expr(self.deterministic):
-                    n_min, _ = n_block_range(m_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left, win_right,
-                                             self.has_left, self.has_right)
-                    rank = n_block - n_min
-                    if tidx == 0:
-                        cur = cute.arch.load((mSem.iterator + sem_idx).llvm_ptr, Int32, sem="acquire", scope="gpu")
-                        while cur != rank:
+                # a CSR query block may reach past the sequence: its tiles there add nothing and, for
+                # every visitor alike, touch no semaphore (the array has ceil(seqlen_q / tile_m) per head)
+                if m_block * tile_m < seqlen_q:
+                    sem_idx = (batch * heads_q + head) * n_mblocks + m_block
+                    if cutlass.const_expr(self.deterministic):
+                        rank = Int32(0)
+                        if cutlass.const_expr(self.block_sparse):
+                            # the entry's lock value ranks its CSR key block among the query block's
+                            # visitors (ascending key blocks); each covers bs_ratio_n key tiles
+                            rank = lock * bs_ratio_n + (n_block - kb * bs_ratio_n)
+                        else:
+                            n_min, _ = n_block_range(m_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left,
+                                                     win_right, self.has_left, self.has_right)
+                            rank = n_block - n_min
+                        if tidx == 0:
                             cur = cute.arch.load((mSem.iterator + sem_idx).llvm_ptr, Int32, sem="acquire",
                                                  scope="gpu")
-                    bar.arrive_and_wait()
-                row_base = (q_start + m_block * tile_m) * heads_q * D + head * D
-                self.red_dq(mdQ, acc_dQ, tQcdQ, row_base, heads_q * D, seqlen_q - m_block * tile_m)
-                if cutlass.const_expr(self.deterministic):
-                    cute.arch.fence_acq_rel_gpu()  # this thread's adds are visible before the release
-                    bar.arrive_and_wait()
-                    if tidx == 0:
-                        cute.arch.red((mSem.iterator + sem_idx).llvm_ptr, Int32(1), op="add", dtype=Int32,
-                                      sem="release", scope="gpu")
+                            while cur != rank:
+                                cur = cute.arch.load((mSem.iterator + sem_idx).llvm_ptr, Int32, sem="acquire",
+                                                     scope="gpu")
+                        bar.arrive_and_wait()
+                    row_base = (q_start + m_block * tile_m) * heads_q * D + head * D
+                    self.red_dq(mdQ, acc_dQ, tQcdQ, row_base, heads_q * D, seqlen_q - m_block * tile_m)
+                    if cutlass.const_expr(self.deterministic):
+                        cute.arch.fence_acq_rel_gpu()  # this thread's adds are visible before the release
+                        bar.arrive_and_wait()
+                        if tidx == 0:
+                            cute.arch.red((mSem.iterator + sem_idx).llvm_ptr, Int32(1), op="add", dtype=Int32,
+                                          sem="release", scope="gpu")
 
             # ---- epilogue: dK (scale already folded into dS), dV -> dtype -> smem (K, V tiles) -> global
             cute.arch.cp_async_wait_group(0)
@@ -489,6 +537,63 @@ class FlashBwdSm80:
                                   op="add", dtype=Float32, sem="relaxed", scope="gpu")
 
     @cute.jit
+    def csr_visits(self, g: Int32, n_m: Int32, m_lo: Int32, head0: Int32, group: Int32, batch: Int32, kb: Int32,
+                   mFR: cute.Tensor, mFC: cute.Tensor, mMR: cute.Tensor, mMC: cute.Tensor, mFL: cute.Tensor,
+                   mML: cute.Tensor, ratio_m: Int32, f_rp_sb: Int32, f_rp_sh: Int32, f_col_sb: Int32,
+                   f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32):
+        """Query tiles that head ``head0 + g`` visits for key block ``kb``: its k->q entries x ratio_m."""
+        head = head0 + g
+        _, f_cnt = csr_row(mFR, f_rp_sb * batch + f_rp_sh * head, kb)
+        _, m_cnt = csr_row(mMR, m_rp_sb * batch + m_rp_sh * head, kb)
+        return (f_cnt + m_cnt) * ratio_m
+
+    @cute.jit
+    def step_at(self, it: Int32, n_m: Int32, m_lo: Int32, head0: Int32, group: Int32, batch: Int32, kb: Int32,
+                mFR: cute.Tensor, mFC: cute.Tensor, mMR: cute.Tensor, mMC: cute.Tensor, mFL: cute.Tensor,
+                mML: cute.Tensor, ratio_m: Int32, f_rp_sb: Int32, f_rp_sh: Int32, f_col_sb: Int32,
+                f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32):
+        """(query head, query tile, element predicate applies?, CSR lock value) of visit ``it``.
+
+        Dense: heads outermost, then the query tiles m_lo.. of the key block's range. Block-sparse:
+        per head of the group, the key block's k->q mask entries, then its full entries, each a CSR
+        query block of ratio_m tiles. With a per-head CSR the heads' visit counts differ, so the
+        head is found by walking the group (a CSR broadcast over heads divides instead)."""
+        g = it // cutlass.max(n_m, 1)
+        m_block = m_lo + it - g * n_m
+        is_mask = Boolean(True)
+        lock = Int32(0)
+        if cutlass.const_expr(self.block_sparse):
+            vargs = (n_m, m_lo, head0, group, batch, kb, mFR, mFC, mMR, mMC, mFL, mML, ratio_m, f_rp_sb, f_rp_sh,
+                     f_col_sb, f_col_sh, m_rp_sb, m_rp_sh, m_col_sb, m_col_sh)
+            cnt = self.csr_visits(Int32(0), *vargs)
+            g = Int32(0)
+            rem = it
+            if f_rp_sh == 0 and m_rp_sh == 0:
+                g = it // cutlass.max(cnt, 1)
+                rem = it - g * cnt
+            else:
+                while rem >= cnt and g + 1 < group:
+                    rem = rem - cnt
+                    g = g + 1
+                    cnt = self.csr_visits(g, *vargs)
+            head = head0 + g
+            f_col0, f_cnt = csr_row(mFR, f_rp_sb * batch + f_rp_sh * head, kb)
+            m_col0, m_cnt = csr_row(mMR, m_rp_sb * batch + m_rp_sh * head, kb)
+            e = rem // ratio_m
+            is_mask = e < m_cnt
+            col = Int32(0)
+            if is_mask:
+                idx = m_col_sb * batch + m_col_sh * head + m_col0 + e
+                col = mMC[idx]
+                lock = mML[idx]
+            else:
+                idx = f_col_sb * batch + f_col_sh * head + f_col0 + e - m_cnt
+                col = mFC[idx]
+                lock = mFL[idx]
+            m_block = col * ratio_m + (rem - e * ratio_m)
+        return head0 + g, m_block, is_mask, lock
+
+    @cute.jit
     def m_block_range(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32):
         """[m_lo, m_hi): exactly the query blocks m whose n_block_range(m) contains n_block."""
         m_lo = Int32(0)
@@ -509,16 +614,13 @@ class FlashBwdSm80:
         return m_lo, m_hi
 
     @cute.jit
-    def load_q_step(self, g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO, n_m: Int32,
-                    m_lo: Int32, head0: Int32, q_start: Int32, seqlen_q: Int32, batch: Int32,
-                    lse_stride_h: Int32, lse_stride_b: Int32, tidx, it: Int32, stage: Int32,
+    def load_q_step(self, g2s, thr_g2s, mQ, mdO, mLSE, mDelta, sLSE, sDelta, tQsQ, tQsdO,
+                    q_start: Int32, seqlen_q: Int32, batch: Int32,
+                    lse_stride_h: Int32, lse_stride_b: Int32, tidx, m_block: Int32, head: Int32, stage: Int32,
                     with_q: cutlass.Constexpr, with_do: cutlass.Constexpr):
-        """cp.async Q (with_q) and dO (with_do) of step ``it`` into ``stage``; with Q, the LSE2 and delta
-        rows go to smem by plain stores (+inf / 0 past the end)."""
+        """cp.async Q (with_q) and dO (with_do) of query block ``m_block`` of ``head`` into ``stage``; with
+        Q, the LSE2 and delta rows go to smem by plain stores (+inf / 0 past the end)."""
         D = self.head_dim
-        g = it // n_m
-        m_block = m_lo + it - g * n_m
-        head = head0 + g
         cQ = cute.local_tile(cute.make_identity_tensor((seqlen_q, D)), (self.tile_m, D), (m_block, 0))
         tQcQ = thr_g2s.partition_S(cQ)
         if cutlass.const_expr(with_q):
@@ -545,15 +647,16 @@ class FlashBwdSm80:
 
     @cute.jit
     def mask_t(self, acc_mn, tScS_mn, row0_q: Int32, col0_k: Int32, seqlen_q: Int32, seqlen_k: Int32,
-               win_left: Int32, win_right: Int32):
-        """-inf where key j (rows of S^T) is invisible to query i (columns)."""
+               win_left: Int32, win_right: Int32, with_window: cutlass.Constexpr):
+        """-inf where key j (rows of S^T) is invisible to query i (columns): past seqlen_k, and outside
+        the causal/window bounds when ``with_window``."""
         for c in cutlass.range_constexpr(cute.size(acc_mn.shape[1])):
             diag = tScS_mn[0, c][1] + row0_q + seqlen_k - seqlen_q
             hi = seqlen_k
             lo = Int32(0)
-            if cutlass.const_expr(self.has_right):
+            if cutlass.const_expr(self.has_right and with_window):
                 hi = cutlass.min(hi, diag + win_right + 1)
-            if cutlass.const_expr(self.has_left):
+            if cutlass.const_expr(self.has_left and with_window):
                 lo = cutlass.max(lo, diag - win_left)
             for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
                 j = tScS_mn[r, 0][0] + col0_k

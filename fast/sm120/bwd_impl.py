@@ -28,15 +28,23 @@ def _window_bounds(spec):
     return wl >= 0, wr >= 0, max(wl, 0), max(wr, 0)
 
 
+def tile_for(spec):
+    """The backward tile of a call: by head dim, and dividing the CSR's key blocks if it has one."""
+    return bwd_tile_config(spec.head_dim, spec.block_size[1] if spec.has_block_sparse else 0)
+
+
 def backward_reason(spec) -> Optional[str]:
     """None when the backward kernel serves ``spec`` (forward checks already passed), else why not."""
     if spec.head_dim not in SUPPORTED_HEAD_DIMS:
         return f"backward: head dim {spec.head_dim} not supported (head dims {SUPPORTED_HEAD_DIMS})"
+    cfg = tile_for(spec)
     if spec.has_block_sparse:
-        return "backward: block-sparse not supported"
-    if bwd_tile_config(spec.head_dim).smem_bytes(spec.head_dim) > SMEM_LIMIT_SM120:
+        bm, bn = spec.block_size
+        if bm % cfg.tile_m or bn % cfg.tile_n:
+            return (f"backward: block-sparse block size {bm}x{bn} must be a multiple of the backward tile "
+                    f"{cfg.tile_m}x{cfg.tile_n} (head dim {spec.head_dim})")
+    if cfg.smem_bytes(spec.head_dim) > SMEM_LIMIT_SM120:
         return "backward: tile does not fit 99 KB of shared memory"
-    cfg = bwd_tile_config(spec.head_dim)
     if spec.batch > 65535 or (cfg.n_slowest and -(-spec.seqlen_k // cfg.tile_n) > 65535) or (
             not cfg.n_slowest and spec.num_heads_kv > 65535):
         return "backward: grid limit (batch, KV heads or key blocks over 65535)"
@@ -47,17 +55,19 @@ def backward_reason(spec) -> Optional[str]:
 
 def compile_key(spec, arch: int) -> tuple:
     has_left, has_right, _, _ = _window_bounds(spec)
-    return ("bwd", str(spec.dtype), spec.head_dim, bwd_tile_config(spec.head_dim), spec.mode == "varlen",
-            has_left, has_right, bool(spec.deterministic), spec.softcap > 0, spec.num_key_ranges, arch)
+    return ("bwd", str(spec.dtype), spec.head_dim, tile_for(spec), spec.mode == "varlen",
+            has_left, has_right, bool(spec.deterministic), spec.softcap > 0, spec.num_key_ranges,
+            spec.has_block_sparse, arch)
 
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
     import cutlass
-    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, _arch = key
+    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, _arch = key
     cdt = {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
     # vector fp32 reductions (red.global.add.v2.f32) exist from sm_90 on
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
-                        vec_red=_arch >= 90, has_softcap=has_softcap, num_key_ranges=num_kr)
+                        vec_red=_arch >= 90, has_softcap=has_softcap, num_key_ranges=num_kr,
+                        block_sparse=block_sparse)
 
 
 def _ptrs(kernel_dtype, addrs):
@@ -67,10 +77,10 @@ def _ptrs(kernel_dtype, addrs):
     def ptr(dt, addr, align):
         return cute.runtime.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=align)
 
-    q, k, v, do, dk, dv, dq, lse, delta, sem, cuq, cuk, kr = addrs
+    q, k, v, do, dk, dv, dq, lse, delta, sem, cuq, cuk, kr, *csr = addrs
     return [ptr(kernel_dtype, q, 16), ptr(kernel_dtype, k, 16), ptr(kernel_dtype, v, 16), ptr(kernel_dtype, do, 16),
             ptr(kernel_dtype, dk, 16), ptr(kernel_dtype, dv, 16), ptr(Float32, dq, 16), ptr(Float32, lse, 4),
-            ptr(Float32, delta, 4), ptr(Int32, sem, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4), ptr(Int32, kr, 4)]
+            ptr(Float32, delta, 4), ptr(Int32, sem, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4), ptr(Int32, kr, 4)] + [ptr(Int32, a, 4) for a in csr]
 
 
 def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
@@ -80,8 +90,8 @@ def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
     from cutlass import Float32, Int32
 
     kern = build_kernel(key)
-    p = _ptrs(kern.dtype, (1 << 20,) * 13)
-    args = p + [Int32(1)] * 14 + [Float32(1.0)] * 4
+    p = _ptrs(kern.dtype, (1 << 20,) * 19)
+    args = p + [Int32(1)] * 14 + [Float32(1.0)] * 4 + [Int32(1)] * 10
     fn = cute.compile(kern, *args, cuda.CUstream(0),
                       options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
     return fn, kern
@@ -126,6 +136,25 @@ def compile_cache() -> CompileCache:
     return _cache
 
 
+def _k2q_args(call, dummy: torch.Tensor, cfg):
+    """Pointers of the k->q CSR (full rowptr, col, mask rowptr, col, full locks, mask locks) and
+    (ratio_m, ratio_n, rowptr/col (batch, head) strides of full then mask); placeholders without one.
+    A size-1 batch or head dimension broadcasts (stride 0); the lock arrays are laid out like the cols."""
+    bs = call.block_sparse
+    if bs is None:
+        return (dummy.data_ptr(),) * 6, (1, 1) + (0,) * 8
+    arrays = [t.contiguous() for t in (bs.k2q_full.rowptr, bs.k2q_full.col, bs.k2q_mask.rowptr, bs.k2q_mask.col,
+                                       bs.k2q_full_lock, bs.k2q_mask_lock)]
+    fr, fc, mr, mc, fl, ml = arrays
+    assert fl.shape == fc.shape and ml.shape == mc.shape
+
+    def bh(t):
+        return (t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0)
+    call.extra["_sm120_bwd_csr"] = arrays  # keep alive for the asynchronous launch
+    return tuple(a.data_ptr() for a in arrays), (bs.block_m // cfg.tile_m, bs.block_n // cfg.tile_n,
+                                                 *bh(fr), *bh(fc), *bh(mr), *bh(mc))
+
+
 def run_backward(call, out, lse, dout, arch: int, aligned):
     """(dq, dk, dv) for a call whose forward produced (out, lse)."""
     import cuda.bindings.driver as cuda
@@ -135,7 +164,7 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
     q, k, v, do = (aligned(t) for t in (call.q, call.k, call.v, dout))
     out = aligned(out)
     Hq, Hkv, D = spec.num_heads_q, spec.num_heads_kv, spec.head_dim
-    cfg = bwd_tile_config(D)
+    cfg = tile_for(spec)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     if varlen:
@@ -171,13 +200,15 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
     cu_k = call.cu_seqlens_k if varlen else sem
     from .impl import _key_range_args
     kr_ptr, (kr_sb, kr_sh) = _key_range_args(call, sem)
+    csr_ptrs, csr_ints = _k2q_args(call, sem, cfg)
     softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
     p = _ptrs(cdt, (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
                     dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr(), cu_q.data_ptr(),
-                    cu_k.data_ptr(), kr_ptr))
+                    cu_k.data_ptr(), kr_ptr, *csr_ptrs))
     with torch.cuda.device(q.device):
         fn(*p, total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb, wl, wr,
-           n_mblocks, kr_sb, kr_sh, spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap), stream)
+           n_mblocks, kr_sb, kr_sh, spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap), *csr_ints,
+           stream)
     # keep the buffers of the asynchronous launch alive until the caller's stream moves on
     call.extra["_sm120_bwd_keepalive"] = (lse2, delta, sem, q, k, v, do, out, lse)
     dq = dq_acc[:total_q].to(spec.dtype).view(q.shape)
