@@ -145,14 +145,12 @@ def _k2q_args(call, dummy: torch.Tensor, cfg):
         return (dummy.data_ptr(),) * 6, (1, 1) + (0,) * 8
     arrays = [t.contiguous() for t in (bs.k2q_full.rowptr, bs.k2q_full.col, bs.k2q_mask.rowptr, bs.k2q_mask.col,
                                        bs.k2q_full_lock, bs.k2q_mask_lock)]
+    from .impl import bh_strides
     fr, fc, mr, mc, fl, ml = arrays
     assert fl.shape == fc.shape and ml.shape == mc.shape
-
-    def bh(t):
-        return (t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0)
     call.extra["_sm120_bwd_csr"] = arrays  # keep alive for the asynchronous launch
     return tuple(a.data_ptr() for a in arrays), (bs.block_m // cfg.tile_m, bs.block_n // cfg.tile_n,
-                                                 *bh(fr), *bh(fc), *bh(mr), *bh(mc))
+                                                 *bh_strides(fr), *bh_strides(fc), *bh_strides(mr), *bh_strides(mc))
 
 
 def run_backward(call, out, lse, dout, arch: int, aligned):

@@ -191,6 +191,11 @@ class FastSm120Forward:
         raise NotImplementedError("fast-sm120 has no backward kernel (can_implement refuses needs_grad)")
 
 
+def bh_strides(t: torch.Tensor):
+    """(batch, head) strides of a (B'|1, H'|1, ...) index array; a size-1 dimension broadcasts (0)."""
+    return (t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0)
+
+
 def _block_sparse_args(call, dummy: torch.Tensor):
     """Pointers and (ratio_m, ratio_n, strides...) of the q->k CSR arrays; placeholders without one."""
     bs = call.block_sparse
@@ -204,9 +209,7 @@ def _block_sparse_args(call, dummy: torch.Tensor):
         rp, col = csr.rowptr.contiguous(), csr.col.contiguous()
         keep += [rp, col]
         arrays += [rp.data_ptr(), col.data_ptr()]
-        # a size-1 batch or head dimension broadcasts: stride 0
-        strides += [rp.stride(0) if rp.shape[0] > 1 else 0, rp.stride(1) if rp.shape[1] > 1 else 0,
-                    col.stride(0) if col.shape[0] > 1 else 0, col.stride(1) if col.shape[1] > 1 else 0]
+        strides += [*bh_strides(rp), *bh_strides(col)]
     call.extra["_sm120_keepalive"] = keep  # the launch is asynchronous: keep copies alive with the call
     return tuple(arrays), (bs.block_m // cfg.tile_m, bs.block_n // cfg.tile_n, *strides)
 
@@ -218,7 +221,7 @@ def _key_range_args(call, dummy: torch.Tensor):
         return dummy.data_ptr(), (0, 0)
     kr = kr.contiguous()
     call.extra["_sm120_kr"] = kr  # keep alive for the asynchronous launch
-    return kr.data_ptr(), (kr.stride(0) if kr.shape[0] > 1 else 0, kr.stride(1) if kr.shape[1] > 1 else 0)
+    return kr.data_ptr(), bh_strides(kr)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
