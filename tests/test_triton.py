@@ -221,3 +221,22 @@ def test_gpu_decode_bench_shapes_eager_and_graph(batch, cache):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(gout, out) and torch.equal(glse, lse)
+
+
+def test_wide_rows_only_where_a_sequence_passes_2_31_elements():
+    # the backward computes in-sequence row offsets in 64 bits only when rows x row stride can pass
+    # 2**31 (common._row): meta tensors, no memory
+    from dualattn import spec as S
+    from dualattn.reference.triton.launch import Launch
+    q = torch.empty(1, 16, 8, 256, device="meta", dtype=torch.float16)
+    # (a 256-row margin covers the tile that overhangs the last row)
+    for sk, wide in ((4096, False), ((1 << 31) // (8 * 256) - 300, False), ((1 << 31) // (8 * 256) - 100, True),
+                     ((1 << 31) // (8 * 256) + 10, True)):
+        k = torch.empty(1, sk, 8, 256, device="meta", dtype=torch.float16)
+        L = Launch(S.build_dense(q, k, k, return_lse=True), "dkdv")
+        assert L.wide_rows() == wide, sk
+    # a long dO (laid out like q) alone also needs it
+    k = torch.empty(1, 4096, 8, 256, device="meta", dtype=torch.float16)
+    L = Launch(S.build_dense(q, k, k, return_lse=True), "dkdv")
+    big_do = torch.empty(1, 16, 1 << 20, 256, device="meta", dtype=torch.float16).transpose(1, 2)
+    assert not L.wide_rows() and L.wide_rows(q_like=(big_do,))

@@ -52,6 +52,8 @@ def _ptx(fn, dtype: str, **flags) -> str:
     consts = dict(HEAD_D=128, HEAD_DV=128, BLOCK_D=128, BLOCK_DV=128, IS_VARLEN=False, HAS_LEFT=False,
                   HAS_RIGHT=True, NUM_KR=0, HAS_BS=False, BS_M=128, BS_N=128, SOFTCAP=False, DOT_FP32=False,
                   IEEE=dtype == "fp32")
+    if any(p.name == "WIDE_ROWS" for p in fn.params):  # the backward's 64-bit row offsets switch
+        consts["WIDE_ROWS"] = False
     consts.update(flags)
     k = triton.compile(ASTSource(fn=fn, signature=_signature(fn, dtype), constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS, "num_stages": 2})
@@ -70,6 +72,7 @@ FEATURES = {
     "varlen-window-kr2-softcap": dict(BLOCK_M=64, BLOCK_N=64, IS_VARLEN=True, HAS_LEFT=True, NUM_KR=2,
                                       SOFTCAP=True),
     "bs-d192-dv128": dict(BLOCK_M=64, BLOCK_N=64, HEAD_D=192, HEAD_DV=128, BLOCK_D=256, HAS_BS=True),
+    "wide-rows": dict(BLOCK_M=64, BLOCK_N=64, WIDE_ROWS=True),  # 64-bit row offsets (backward only)
 }
 
 
@@ -77,7 +80,10 @@ FEATURES = {
 @pytest.mark.parametrize("feature", list(FEATURES))
 def test_kernels_build_for_sm90_with_every_feature(kernel, feature):
     fn = {"forward": F._attn_fwd, "dkdv": B._attn_bwd_dkdv, "dq": B._attn_bwd_dq}[kernel]
-    ptx = _ptx(fn, "bf16", **FEATURES[feature])
+    flags = dict(FEATURES[feature])
+    if kernel == "forward":
+        flags.pop("WIDE_ROWS", None)  # the forward's row offsets are 64-bit always
+    ptx = _ptx(fn, "bf16", **flags)
     # bf16 tensor-core products on Hopper: wgmma (or mma.sync where Triton picks it for the tile)
     assert "wgmma.mma_async" in ptx or "mma.sync" in ptx
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import _accumulate, _block_range, _dot, _i64, _element_mask, _masked_block, _scores, _sequence_bounds
+from .common import _accumulate, _block_range, _dot, _element_mask, _masked_block, _row, _scores, _sequence_bounds
 from .launch import Launch, last_dim_contiguous
 
 
@@ -65,7 +65,8 @@ def _attn_bwd_dkdv_block(dk, dv, dk_c, dv_c, k, v, q_tile, do_tile, lse2_tile, d
                          BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                          HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, MASK: tl.constexpr,
                          HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_KR: tl.constexpr,
-                         SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr):
+                         SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr, IEEE: tl.constexpr,
+                         WIDE_ROWS: tl.constexpr):
     """Inner loop body of the dK/dV pass: add query rows m0 .. m0+BLOCK_M into (dk, dv)
     (compensated by (dk_c, dv_c) for fp32 inputs, see common._accumulate).
 
@@ -76,9 +77,16 @@ def _attn_bwd_dkdv_block(dk, dv, dk_c, dv_c, k, v, q_tile, do_tile, lse2_tile, d
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    rows = tl.arange(0, BLOCK_M)  # offsets within the tile; the tile's own start in 64 bits
-    q_ptrs = q_tile + _i64(m0) * sq_s + rows[None, :] * sq_s + offs_d[:, None]  # Q^T (D, M)
-    do_ptrs = do_tile + _i64(m0) * sdo_s + rows[:, None] * sdo_s + offs_dv[None, :]
+    if WIDE_ROWS:  # the tile's start in 64 bits, the offsets within it in 32
+        rows = tl.arange(0, BLOCK_M)
+        q_ptrs = q_tile + _row(m0, WIDE_ROWS) * sq_s + rows[None, :] * sq_s + offs_d[:, None]  # Q^T (D, M)
+        do_ptrs = do_tile + _row(m0, WIDE_ROWS) * sdo_s + rows[:, None] * sdo_s + offs_dv[None, :]
+    else:
+        # one int32 offset tensor from the loop-varying rows: in the form above the offsets within the
+        # tile are loop-invariant, get hoisted and stay live across the loop, and the sm_90 kernel
+        # (255 registers) spilled 3x more (552 against 180 bytes of spill loads, ptxas -v)
+        q_ptrs = q_tile + offs_m[None, :] * sq_s + offs_d[:, None]
+        do_ptrs = do_tile + offs_m[:, None] * sdo_s + offs_dv[None, :]
     if MASK == 0 and BLOCK_D == HEAD_D and BLOCK_DV == HEAD_DV:
         qT = tl.load(q_ptrs)
         do = tl.load(do_ptrs)
@@ -115,7 +123,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
                    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_KR: tl.constexpr, HAS_BS: tl.constexpr,
                    BS_M: tl.constexpr, BS_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, WIDE_ROWS: tl.constexpr):
     """dK, dV. Grid: (cdiv(max_seqlen_k, BLOCK_N), batch * num_heads_kv).
 
     Program (n, b*Hkv + hk) owns dK/dV rows n*BLOCK_N.. of KV head hk and sums, in a fixed order,
@@ -167,7 +175,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
                     dk, dv, dk_c, dv_c, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
                     seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
-                    SOFTCAP, DOT_FP32, IEEE)
+                    SOFTCAP, DOT_FP32, IEEE, WIDE_ROWS)
             start = tl.load(MaskPtr + bp)
             end = tl.load(MaskPtr + bp + 1)
             for i in range(start * (BS_M // BLOCK_M), end * (BS_M // BLOCK_M)):  # one flat loop: pipelined
@@ -177,7 +185,7 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
                     dk, dv, dk_c, dv_c, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, qb * BS_M + t * BLOCK_M,
                     seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
-                    SOFTCAP, DOT_FP32, IEEE)
+                    SOFTCAP, DOT_FP32, IEEE, WIDE_ROWS)
         else:
             lo, full_lo, full_hi, hi = _block_range(n0, tl.minimum(n0 + BLOCK_N, seqlen_k) - 1, seqlen_q, BLOCK_M,
                                                     -off - win_right, -off + win_left, HAS_RIGHT, HAS_LEFT,
@@ -187,14 +195,14 @@ def _attn_bwd_dkdv(Q, K, V, DO, Lse2, Delta, DK, DV, CuQ, CuK, KR, FullPtr, Full
                     dk, dv, dk_c, dv_c, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n, blk * BLOCK_M,
                     seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 0, HAS_LEFT, HAS_RIGHT, NUM_KR,
-                    SOFTCAP, DOT_FP32, IEEE)
+                    SOFTCAP, DOT_FP32, IEEE, WIDE_ROWS)
             for t in range(0, (full_lo - lo) + (hi - full_hi)):
                 dk, dv, dk_c, dv_c = _attn_bwd_dkdv_block(
                     dk, dv, dk_c, dv_c, k, v, q_seq, do_seq, l_seq, d_seq, sq_s, sdo_s, offs_n,
                     _masked_block(t, lo, full_lo, full_hi) * BLOCK_M,
                     seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_seq, skr_s, skr_r,
                     BLOCK_M, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
-                    SOFTCAP, DOT_FP32, IEEE)
+                    SOFTCAP, DOT_FP32, IEEE, WIDE_ROWS)
     dk = dk * sm_scale
     tl.store(DK + bb * sdk_b + (k0 + n0) * sdk_s + tl.arange(0, BLOCK_N)[:, None] * sdk_s + hk * sdk_h
              + offs_d[None, :],
@@ -251,7 +259,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
                  HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, NUM_KR: tl.constexpr, HAS_BS: tl.constexpr,
                  BS_M: tl.constexpr, BS_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
-                 IEEE: tl.constexpr):
+                 IEEE: tl.constexpr, WIDE_ROWS: tl.constexpr):
     """dQ. Grid: (cdiv(max_seqlen_q, BLOCK_M), batch * num_heads_q).
 
     Program (m, b*Hq + h) owns dQ rows m*BLOCK_M.. of head h; it visits key blocks exactly like
@@ -294,7 +302,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
             t = i % (BS_N // BLOCK_N)
             n0 = kb * BS_N + t * BLOCK_N
             dq, dq_c = _attn_bwd_dq_block(
-                dq, dq_c, q, do, lse2, delta, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
+                dq, dq_c, q, do, lse2, delta, k_seq + _row(n0, WIDE_ROWS) * sk_s, v_seq + _row(n0, WIDE_ROWS) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 1, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -305,7 +313,7 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
             t = i % (BS_N // BLOCK_N)
             n0 = kb * BS_N + t * BLOCK_N
             dq, dq_c = _attn_bwd_dq_block(
-                dq, dq_c, q, do, lse2, delta, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
+                dq, dq_c, q, do, lse2, delta, k_seq + _row(n0, WIDE_ROWS) * sk_s, v_seq + _row(n0, WIDE_ROWS) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -316,14 +324,14 @@ def _attn_bwd_dq(Q, K, V, DO, Lse2, Delta, DQ, CuQ, CuK, KR, FullPtr, FullCol, M
         for blk in range(full_lo, full_hi):
             n0 = blk * BLOCK_N
             dq, dq_c = _attn_bwd_dq_block(
-                dq, dq_c, q, do, lse2, delta, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
+                dq, dq_c, q, do, lse2, delta, k_seq + _row(n0, WIDE_ROWS) * sk_s, v_seq + _row(n0, WIDE_ROWS) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 0, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
         for t in range(0, (full_lo - lo) + (hi - full_hi)):
             n0 = _masked_block(t, lo, full_lo, full_hi) * BLOCK_N
             dq, dq_c = _attn_bwd_dq_block(
-                dq, dq_c, q, do, lse2, delta, k_seq + _i64(n0) * sk_s, v_seq + _i64(n0) * sv_s, sk_s, sv_s, offs_m, n0,
+                dq, dq_c, q, do, lse2, delta, k_seq + _row(n0, WIDE_ROWS) * sk_s, v_seq + _row(n0, WIDE_ROWS) * sv_s, sk_s, sv_s, offs_m, n0,
                 seqlen_q, seqlen_k, qk_scale, softcap, win_left, win_right, kr_ptrs, skr_r,
                 BLOCK_N, BLOCK_D, BLOCK_DV, HEAD_D, HEAD_DV, 2, HAS_LEFT, HAS_RIGHT, NUM_KR,
                 SOFTCAP, DOT_FP32, IEEE)
@@ -350,6 +358,7 @@ def attention_backward(call, out, lse, dout):
     lse2 = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     assert delta.stride() == lse.stride()
     cx = L.constexprs()
+    wide = L.wide_rows(q_like=(dout, dq), k_like=(dk, dv))  # row offsets in 64 bits only if needed
     scal = (L.qk_scale, L.softcap, L.win_left, L.win_right, spec.scale)
 
     pre_bm = 64
@@ -364,7 +373,7 @@ def attention_backward(call, out, lse, dout):
         *L.qkv_strides(q), *L.qkv_strides(k), *L.qkv_strides(v), *L.qkv_strides(dout),
         *L.qkv_strides(dk), *L.qkv_strides(dv), *sl, *L.kr_strides, *k2q.strides,
         spec.seqlen_q, spec.seqlen_k, spec.num_heads_kv, spec.gqa_ratio, *scal,
-        BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, **cx,
+        BLOCK_M=cfg_dkdv.block_m, BLOCK_N=cfg_dkdv.block_n, **cx, WIDE_ROWS=wide,
         num_warps=cfg_dkdv.num_warps, num_stages=cfg_dkdv.num_stages)
 
     q2k = L.csr("q2k")
@@ -373,6 +382,6 @@ def attention_backward(call, out, lse, dout):
         *L.qkv_strides(q), *L.qkv_strides(k), *L.qkv_strides(v), *L.qkv_strides(dout),
         *L.qkv_strides(dq), *sl, *L.kr_strides, *q2k.strides,
         spec.seqlen_q, spec.seqlen_k, spec.num_heads_q, spec.gqa_ratio, *scal,
-        BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, **cx,
+        BLOCK_M=cfg_dq.block_m, BLOCK_N=cfg_dq.block_n, **cx, WIDE_ROWS=wide,
         num_warps=cfg_dq.num_warps, num_stages=cfg_dq.num_stages)
     return dq, dk, dv

@@ -82,6 +82,16 @@ def _i64(x):
 
 
 @triton.jit
+def _row(x, WIDE: tl.constexpr):
+    """A row index within a sequence about to multiply a row stride: int64 when the host found that
+    rows x stride can pass 2**31 (``Launch.wide_rows``), else left in int32, so that only calls
+    that need 64-bit offsets pay for them in registers (see _attn_bwd_dkdv_block)."""
+    if WIDE:
+        x = tl.cast(x, tl.int64)
+    return x
+
+
+@triton.jit
 def _sequence_bounds(CuQ, CuK, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
     """Where sequence ``b`` starts and how long it is. Varlen: rows cu[b]..cu[b+1] of the packed
     (total, H, D) tensors; batched: row 0 and the given lengths. The starts and the batch index come

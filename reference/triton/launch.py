@@ -79,6 +79,19 @@ class Launch:
                             block_size=spec.block_size, page_size=spec.page_size,
                             packed_rows=spec.seqlen_q * spec.gqa_ratio)
 
+    def wide_rows(self, q_like=(), k_like=()) -> bool:
+        """Whether a row offset inside one sequence (row x row stride, plus a tile of rows and one
+        row's heads) can pass 2**31 in q, k, v or the extra tensors laid out like q (``q_like``: dO,
+        dQ) or like k (``k_like``: dK, dV). Then the kernels that take ``WIDE_ROWS`` compute such
+        offsets in 64 bits (common._row); sequence and batch starts are 64-bit always."""
+        spec = self.spec
+
+        def worst(t, rows):
+            return (rows + 256) * t.stride(-3) + t.shape[-2] * t.stride(-2) + t.shape[-1]
+        w = max([worst(t, spec.seqlen_q) for t in (self.q, *q_like)]
+                + [worst(t, spec.seqlen_k) for t in (self.k, self.v, *k_like)])
+        return w >= 2 ** 31
+
     def qkv_strides(self, t: torch.Tensor) -> Tuple[int, int, int]:
         """(batch, sequence, head) strides; varlen tensors have no batch dimension."""
         if t.dim() == 3:
