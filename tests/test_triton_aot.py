@@ -100,3 +100,53 @@ def test_backward_builds_for_sm90_with_compensated_fp32_sums(kernel, tiles, accu
     # masked-block loops each inline one), per thread
     per_thread = accumulators * acc_rows * acc_cols // (32 * NUM_WARPS)
     assert compensated - plain >= 4 * per_thread, (plain, compensated)
+
+
+# ---- shared memory of the tile table (reference/triton/configs), as Triton itself counts it ----
+from dualattn.reference.triton import configs as C
+from dualattn.reference.triton import decode as D
+
+CONSUMER_SHARED = 99 * 1024  # sm_86 / sm_89 / sm_120: opt-in shared memory per block
+
+
+def _shared_bytes(kernel: str, head_dim: int, tile, arch: int, dtype: str = "bf16") -> int:
+    fn = {"fwd": F._attn_fwd, "dkdv": B._attn_bwd_dkdv, "dq": B._attn_bwd_dq, "decode": D._decode_split}[kernel]
+    consts = dict(HEAD_D=head_dim, HEAD_DV=head_dim, BLOCK_D=head_dim, BLOCK_DV=head_dim, HAS_LEFT=False,
+                  HAS_RIGHT=True, SOFTCAP=False, DOT_FP32=False, IEEE=dtype == "fp32",
+                  BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
+    if kernel == "decode":
+        sig = {p.name: "constexpr" if p.is_constexpr else
+               "*" + dtype if p.name in ("Q", "K", "V") else "*fp32" if p.name in ("OPart", "LPart") else
+               "*i32" if p.name in ("CacheSeqlens", "PageTable") else
+               "fp32" if p.name in FLOAT_SCALARS else "i32" for p in fn.params}
+        consts.update(PAGED=True)
+    else:
+        sig = _signature(fn, dtype)
+        consts.update(IS_VARLEN=True, NUM_KR=0, HAS_BS=True, BS_M=128, BS_N=128)
+        if kernel != "fwd":
+            consts["WIDE_ROWS"] = False
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                       options={"num_warps": tile.num_warps, "num_stages": tile.num_stages})
+    return k.metadata.shared
+
+
+def _table_cases():
+    for kernel, by_bucket in C._TABLE.items():
+        for bucket in by_bucket:
+            yield kernel, bucket
+
+
+@pytest.mark.parametrize("kernel, bucket", list(_table_cases()))
+def test_tile_table_fits_its_gpus_shared_memory(kernel, bucket):
+    """Each bf16 entry fits SHARED_FOR_TABLE where the table applies (sm_80: Triton's largest
+    figure of the archs that get it), and the entry a consumer GPU gets fits 99 KB on sm_120."""
+    tile = C.tile_for(kernel, bucket, C.torch.bfloat16)
+    assert _shared_bytes(kernel, bucket, tile, 80) <= C.SHARED_FOR_TABLE
+    small = C.tile_for(kernel, bucket, C.torch.bfloat16, max_shared=CONSUMER_SHARED)
+    assert _shared_bytes(kernel, bucket, small, 120) <= CONSUMER_SHARED, small
+
+
+@pytest.mark.parametrize("kernel", list(C._TABLE_FP32))
+def test_fp32_tiles_fit_consumer_shared_memory(kernel):
+    tile = C.tile_for(kernel, 256, C.torch.float32, max_shared=CONSUMER_SHARED)
+    assert _shared_bytes(kernel, 256, tile, 120, dtype="fp32") <= CONSUMER_SHARED, tile

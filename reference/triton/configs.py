@@ -10,6 +10,19 @@ One entry per (kernel, head-dim bucket): (block_m, block_n, num_warps, num_stage
          split count 1..64, CUDA-graph replays): 86-88% of the device copy bandwidth at b8 8k,
          100-105% at b64 and long caches. Its 3 stages of 128 keys keep ~128 KB of K/V in flight
          per program (one per SM), so a few long programs saturate memory.
+The hd 128 backward entries were retuned on an H100 (2026-11-23, session 13) after the masked
+backward fell to 0.7-0.85x FlexAttention: bf16 hd128 bwd, dense 2k-16k and window/docs/sparse 16k,
+one lease, TFLOP/s (dkdv / dq):
+  (64,64,4,3)  / (128,64,8,2)  dense 228-315, window 194, docs 164, sparse 246  (the old pair)
+  (64,128,8,2) / (128,64,8,2)  dense 212-355, window 218, docs 226, sparse 287
+  (64,128,8,2) / (128,128,8,2) dense 257-371, window 262, docs 189, sparse 282  -> chosen
+  (64,128,8,2) / (64,64,4,3)   dense 237-349, window 201, docs 213, sparse 304
+  dkdv (32,128,4,3) 92-141 (spills), (32,128,8,2), (64,64,8,3), (128,64,8,2), (128,128,8,1) all
+  below (64,128,8,2) on the mask cells
+Those two tiles take 113 / 128 KB of shared memory (Triton's own figure), more than consumer GPUs
+have (99 KB per block on sm_86/89/120): GPUs with less than SHARED_FOR_TABLE bytes per block get
+the _COMPACT entries instead, each of which fits 99 KB. tests/test_triton_aot.py compiles every
+entry without a GPU and checks both budgets.
 The hd 256 entries are sized to fit shared memory, not tuned. An entry can
 be overridden for experiments with ``DUALATTN_TRITON_TILE_<KERNEL>="bm,bn,warps,stages"``
 (KERNEL: FWD, DKDV, DQ, DECODE).
@@ -23,6 +36,7 @@ Meaning of block_m / block_n per kernel:
 from __future__ import annotations
 
 import os
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,9 +55,18 @@ class Tile:
 # head dim bucket -> Tile, for fp16/bf16 on the GPU
 _TABLE = {
     "fwd": {64: Tile(64, 64, 4, 3), 128: Tile(64, 64, 4, 3), 256: Tile(64, 64, 4, 2)},
-    "dkdv": {64: Tile(64, 64, 4, 3), 128: Tile(64, 64, 4, 3), 256: Tile(32, 64, 4, 1)},
-    "dq": {64: Tile(64, 64, 4, 3), 128: Tile(128, 64, 8, 2), 256: Tile(64, 32, 4, 1)},
+    "dkdv": {64: Tile(64, 64, 4, 3), 128: Tile(64, 128, 8, 2), 256: Tile(32, 64, 4, 1)},
+    "dq": {64: Tile(64, 64, 4, 3), 128: Tile(128, 128, 8, 2), 256: Tile(64, 32, 4, 1)},
     "decode": {64: Tile(16, 128, 4, 3), 128: Tile(16, 128, 4, 3), 256: Tile(16, 32, 4, 2)},
+}
+# a GPU needs this much shared memory per block (opt-in) for every _TABLE entry: A100 (163 KB),
+# H100/H200 and B200 (227 KB) have it
+SHARED_FOR_TABLE = 160 * 1024
+# the entries that change on GPUs with less (RTX 30xx/40xx/50xx: 99 KB): the pre-retune hd128
+# backward tiles, and an hd256 dK/dV tile of 16 queries
+_COMPACT = {
+    "dkdv": {128: Tile(64, 64, 4, 3), 256: Tile(16, 64, 4, 1)},
+    "dq": {128: Tile(128, 64, 8, 2)},
 }
 # fp32 inputs take exact (ieee) products and twice the bytes: small tiles, fewer stages
 _TABLE_FP32 = {"fwd": Tile(64, 32, 4, 2), "dkdv": Tile(32, 32, 4, 1), "dq": Tile(32, 32, 4, 1),
@@ -57,7 +80,8 @@ def _lowbit(x: int) -> int:
 
 
 def tile_for(kernel: str, head_dim: int, dtype: torch.dtype, block_size=None, page_size: int = 0,
-             packed_rows: int = 0) -> Tile:
+             packed_rows: int = 0, max_shared: int = SHARED_FOR_TABLE) -> Tile:
+    """The tile of ``kernel`` for this call; ``max_shared``: the GPU's shared memory per block."""
     env = os.environ.get(f"DUALATTN_TRITON_TILE_{kernel.upper()}")
     if env:
         t = Tile(*[int(x) for x in env.split(",")])
@@ -68,6 +92,8 @@ def tile_for(kernel: str, head_dim: int, dtype: torch.dtype, block_size=None, pa
     else:
         bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
         t = _TABLE[kernel][bucket]
+        if max_shared < SHARED_FOR_TABLE:
+            t = _COMPACT.get(kernel, {}).get(bucket, t)
     if block_size is not None:  # a block-sparse tile must divide the CSR's blocks
         t = replace(t, block_m=min(t.block_m, _lowbit(block_size[0])), block_n=min(t.block_n, _lowbit(block_size[1])))
     if kernel == "decode":
@@ -77,3 +103,9 @@ def tile_for(kernel: str, head_dim: int, dtype: torch.dtype, block_size=None, pa
             bn //= 2
         t = replace(t, block_m=bm, block_n=bn)
     return t
+
+
+@functools.lru_cache(maxsize=None)
+def device_shared_memory(device_index: int) -> int:
+    """Shared memory one block may opt in to on this GPU (bytes)."""
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin

@@ -7,7 +7,7 @@ from typing import Tuple
 import torch
 
 from .common import KERNELS_INTERPRETED, LOG2E, next_pow2
-from .configs import tile_for
+from .configs import SHARED_FOR_TABLE, device_shared_memory, tile_for
 
 
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -77,7 +77,9 @@ class Launch:
         self.bs = bs.to(self.q.device) if bs is not None and bs.device != self.q.device else bs
         self.cfg = tile_for(kernel, max(spec.head_dim, spec.head_dim_v), spec.dtype,
                             block_size=spec.block_size, page_size=spec.page_size,
-                            packed_rows=spec.seqlen_q * spec.gqa_ratio)
+                            packed_rows=spec.seqlen_q * spec.gqa_ratio,
+                            max_shared=(device_shared_memory(self.q.device.index or 0)
+                                        if self.q.is_cuda else SHARED_FOR_TABLE))
 
     def wide_rows(self, q_like=(), k_like=()) -> bool:
         """Whether a row offset inside one sequence (row x row stride, plus a tile of rows and one
