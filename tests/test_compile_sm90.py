@@ -22,6 +22,7 @@ from dualattn.fast.sm90 import FORWARD, SUPPORTED_HEAD_DIMS, FastSm90Forward  # 
 
 
 def _spec(d=128, causal=False, dtype=torch.bfloat16, sq=1000, sk=1000, **kw):
+    kw.setdefault("return_lse", True)  # the kernel that stores the LSE (the one every harness runs)
     return AttentionSpec("batched", 2, sq, sk, 8, 2, d, kw.pop("dv", d), dtype, "cuda", causal=causal, **kw)
 
 
@@ -234,7 +235,7 @@ VARLEN_CONFIGS = [(128, 128, False), (64, 64, True), (256, 256, True), (96, 96, 
 @pytest.mark.parametrize("d,dv,causal", VARLEN_CONFIGS,
                          ids=[f"d{d}-dv{dv}-{c}" for d, dv, c in VARLEN_CONFIGS])
 def test_varlen_compiles_with_masked_store(d, dv, causal):
-    spec = AttentionSpec("varlen", 3, 300, 500, 8, 2, d, dv, torch.bfloat16, "cuda", causal=causal)
+    spec = AttentionSpec("varlen", 3, 300, 500, 8, 2, d, dv, torch.bfloat16, "cuda", causal=causal, return_lse=True)
     assert FastSm90Forward.can_implement_static(spec) is None
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
@@ -422,3 +423,21 @@ def test_prep_gives_tma_aligned_bases():
     expanded = torch.randn(2, 128, 1, 64, dtype=torch.bfloat16).expand(2, 128, 4, 64)  # head stride 0
     got = FastSm90Forward._prep(expanded)
     assert got.stride(2) == 64 and torch.equal(got, expanded)
+
+
+def _global_stores(ptx: str) -> int:
+    return len(re.findall(r"\bst\.global\.", ptx))
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
+    """return_lse=False without grad: its own compile key, and the PTX loses the LSE store (the
+    only plain global store of the forward, 32-bit: O leaves through TMA)."""
+    with_lse, without = _spec(return_lse=True), _spec(return_lse=False)
+    assert FORWARD.compile_key(with_lse, 90) != FORWARD.compile_key(without, 90)
+    assert FORWARD.compile_key(_spec(return_lse=False, needs_grad=True), 90) == FORWARD.compile_key(with_lse, 90)
+    ptx_with = FastSm90Forward().compile_only(with_lse, arch=90).__ptx__
+    ptx_without = FastSm90Forward().compile_only(without, arch=90).__ptx__
+    assert _global_stores(ptx_with) >= 1
+    assert _global_stores(ptx_without) == 0

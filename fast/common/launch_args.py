@@ -177,6 +177,9 @@ class DirectLauncher:
         return 0  # as the DSL's call returns
 
     def _regular(self, packed, stream, slot):
+        if stream.__class__ is int:  # a raw handle (current_stream_handle): the DSL wants a CUstream
+            import cuda.bindings.driver as cuda
+            stream = cuda.CUstream(stream)
         ret = self.fn(packed, stream)
         if self.enabled and slot is not None and getattr(self._tls, "state", None) is None:
             self._prime(slot)
@@ -208,6 +211,21 @@ class DirectLauncher:
             arr[i] = p
         slot.launch[self] = arr
         return arr
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def current_device_index() -> int:
+    """torch.cuda.current_device() without its Python wrapper (a cached call's host time)."""
+    return _GET_DEVICE() if _GET_DEVICE is not None else torch.cuda.current_device()
+
+
+def current_stream_handle(device) -> int:
+    """The current CUDA stream of ``device`` as a raw handle (DirectLauncher takes it as is)."""
+    idx = device.index if device.index is not None else current_device_index()
+    return _RAW_STREAM(idx) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
 
 
 def current_stream(device):

@@ -7,7 +7,7 @@ Everything else is refused in ``can_implement`` with the reason, so impl="auto" 
 
 Compile cache: one compiled kernel per ``compile_key(spec)`` = (kernel name, dtype, D, Dv, causal,
 window-left?, window-right?, softcap?, tile_m, tile_n, stages, pingpong, overlap, persistent,
-separate O, arch). Batch, sequence lengths, head counts, window sizes, cap and scale are runtime
+separate O, arch), plus "_nolse" in the name for calls that neither return the LSE nor need it. Batch, sequence lengths, head counts, window sizes, cap and scale are runtime
 values, so they never recompile.
 
 Launch: a cached call passes one packed argument (fast/common/launch_args.py: pointers, shapes,
@@ -27,7 +27,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
-from dualattn.fast.common.launch_args import DirectLauncher, current_stream as _current_stream
+from dualattn.fast.common.launch_args import DirectLauncher, current_device_index, current_stream_handle
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -175,11 +175,17 @@ class FastSm90Forward:
         The window sizes and the cap are runtime arguments."""
         return spec.window[0] >= 0, spec.window[1] >= 0, spec.softcap > 0
 
+    @staticmethod
+    def writes_lse(spec) -> bool:
+        """The LSE is stored when the caller asked for it (or a backward would need it)."""
+        return spec.return_lse or spec.needs_grad
+
     def compile_key(self, spec, arch: int):
         name = "sm90_fwd_varlen" if spec.mode == "varlen" else "sm90_fwd"
         # key ranges (R) and block-sparse change the generated code; dense keys stay as they were
         name += f"_kr{spec.num_key_ranges}" if spec.has_key_ranges else ""
         name += "_bs" if spec.has_block_sparse else ""
+        name += "" if self.writes_lse(spec) else "_nolse"
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), arch_string(arch))
 
@@ -191,7 +197,7 @@ class FastSm90Forward:
                             spec.causal, tile_n, stages, pingpong, overlap, persistent, separate_o,
                             window_left=wl, window_right=wr, softcap=sc,
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
-                            block_sparse=spec.has_block_sparse)
+                            block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec))
 
     @staticmethod
     def arg_schema(spec):
@@ -293,7 +299,7 @@ class FastSm90Forward:
         """The per-call packed argument: raw pointers, shapes, q/k/v strides, scalars."""
         B, Sq, Hq, _ = q.shape
         sq, sk, sv = q.stride(), k.stride(), v.stride()
-        return pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        return pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                     B, Sq, k.shape[1], Hq, k.shape[2], sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
                     sv[0], sv[1], sv[2], *tail, *feat)
 
@@ -324,26 +330,42 @@ class FastSm90Forward:
             call.extra["_sm90_keepalive"] = keep
         return tuple(vals)
 
+    def _outputs(self, call, out_shape, lse_shape, q):
+        """(out, lse): preallocated ones from call.extra (the tests pass NaN-poisoned ones), else
+        fresh; lse is None when the kernel does not store it (writes_lse)."""
+        extra = call.extra
+        out = extra.get("out") if extra else None
+        if out is None:
+            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        lse = extra.get("lse") if extra else None
+        if lse is None and self.writes_lse(call.spec):
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        # the kernel derives O's and LSE's strides from the shapes: they must be contiguous
+        assert out.is_contiguous() and (lse is None or lse.is_contiguous()) and out.data_ptr() % 16 == 0
+        return out, lse
+
+    @staticmethod
+    def _no_keys(out, lse, zero_out: bool):
+        """Outputs of a call with nothing to attend to: O = 0 and LSE = -inf."""
+        if zero_out:
+            out.zero_()
+        return out, (lse.fill_(-math.inf) if lse is not None else None)
+
     def _forward_varlen(self, call):
         spec = call.spec
-        q, k, v = (self._prep(x) for x in (call.q, call.k, call.v))
+        prep = self._prep
+        q, k, v = prep(call.q), prep(call.k), prep(call.v)
         Tq, Hq, _ = q.shape
-        out = call.extra.get("out")
-        if out is None:
-            out = torch.empty((Tq, Hq, spec.head_dim_v), dtype=q.dtype, device=q.device)
-        lse = call.extra.get("lse")
-        if lse is None:
-            lse = torch.empty((Hq, Tq), dtype=torch.float32, device=q.device)
-        assert out.is_contiguous() and lse.is_contiguous() and out.data_ptr() % 16 == 0
+        out, lse = self._outputs(call, (Tq, Hq, spec.head_dim_v), (Hq, Tq), q)
         if out.numel() == 0 or spec.batch == 0:
-            return out, lse.fill_(-math.inf)
+            return self._no_keys(out, lse, False)
         if k.shape[0] == 0:  # no keys in any sequence
-            return out.zero_(), lse.fill_(-math.inf)
+            return self._no_keys(out, lse, True)
         cu_q = call.cu_seqlens_q.to(torch.int32).contiguous()
         cu_k = call.cu_seqlens_k.to(torch.int32).contiguous()
         fn, pack, tail = self._entry(spec, q.device)
         sq, sk, sv = q.stride(), k.stride(), v.stride()
-        args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                     cu_q.data_ptr(), cu_k.data_ptr(), Tq, k.shape[0], Hq, k.shape[1],
                     spec.batch, max(spec.seqlen_q, 1), sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
                     *tail, *self.feature_values(call))
@@ -351,24 +373,19 @@ class FastSm90Forward:
         return out, lse
 
     def forward(self, call):
+        """(out, lse) of a batched or varlen call; lse is None when the call neither returns it
+        nor needs it (spec.return_lse / needs_grad), which skips its allocation and store."""
         spec = call.spec
         if spec.mode == "varlen":
             return self._forward_varlen(call)
-        q, k, v = (self._prep(x) for x in (call.q, call.k, call.v))
+        prep = self._prep
+        q, k, v = prep(call.q), prep(call.k), prep(call.v)
         B, Sq, Hq, _ = q.shape
-        # call.extra may carry preallocated outputs (the tests pass NaN-poisoned ones)
-        out = call.extra.get("out")
-        if out is None:
-            out = torch.empty((B, Sq, Hq, spec.head_dim_v), dtype=q.dtype, device=q.device)
-        lse = call.extra.get("lse")
-        if lse is None:
-            lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-        # the kernel derives O's and LSE's strides from the shapes: they must be contiguous
-        assert out.is_contiguous() and lse.is_contiguous() and out.data_ptr() % 16 == 0
+        out, lse = self._outputs(call, (B, Sq, Hq, spec.head_dim_v), (B, Hq, Sq), q)
         if out.numel() == 0:
-            return out, lse.fill_(-math.inf)
+            return self._no_keys(out, lse, False)
         if k.shape[1] == 0:  # no keys at all: every row is fully masked
-            return out.zero_(), lse.fill_(-math.inf)
+            return self._no_keys(out, lse, True)
         fn, pack, tail = self._entry(spec, q.device)
         feat = self.feature_values(call) if (spec.has_key_ranges or spec.has_block_sparse) else ()
         _launch(fn, self.pack_args(pack, tail, q, k, v, out, lse, feat), q.device)
@@ -381,11 +398,11 @@ class FastSm90Forward:
 def _launch(fn, args, device) -> None:
     """Launch on ``device``'s stream from ``device``'s context: the launch goes to the current
     device, and CUDA refuses a stream of another device (tensors on cuda:1, current device 0)."""
-    if device.index in (None, torch.cuda.current_device()):
-        fn(args, _current_stream(device))
+    if device.index is None or device.index == current_device_index():
+        fn(args, current_stream_handle(device))
     else:
         with torch.cuda.device(device):
-            fn(args, _current_stream(device))
+            fn(args, current_stream_handle(device))
 
 
 FORWARD = dispatch.register(FastSm90Forward())

@@ -136,8 +136,11 @@ class FlashFwdSm90:
                  num_stages: int, pingpong: bool = True, overlap: bool = True,
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
-                 num_key_ranges: int = 0, block_sparse: bool = False):
+                 num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True):
         self.dtype = dtype
+        # a call that neither returns the LSE nor needs it for a backward skips its store (the
+        # launch then passes no LSE buffer: one allocation less per call)
+        self.write_lse = write_lse
         # key ranges: R per-row key intervals (registers); block-sparse: the key tiles come from
         # the q->k CSR. Both decide per key block at run time whether it needs the element mask
         # (dense configs keep the static masked/unmasked split and compile none of this)
@@ -695,7 +698,7 @@ class FlashFwdSm90:
                     acc_O_mn[r, c] = acc_O_mn[r, c] * inv
 
             # LSE: the first thread of each quad owns its two rows
-            if tidx % 4 == 0:
+            if const_expr(self.write_lse) and tidx % 4 == 0:
                 for r in cutlass.range_constexpr(num_rows):
                     row = m_block * BM + tScS_mn[r, 0][0]
                     if row < seqlen_q:

@@ -1,0 +1,80 @@
+"""Where the host time of a cached fast-sm90 forward call goes (a diagnosis tool, GPU only).
+
+    python ci/host_overhead.py [--profile FILE]
+
+Times, per call, back-to-back without synchronising (the GPU queue absorbs the launches) on a
+tiny problem: the whole public call ``dualattn.attention(..., impl="fast")`` and each step of it
+on its own (spec memo, dispatch, input checks, output allocation, compiled-entry lookup, argument
+packing, stream lookup, the launch). The issue's target for the whole call is < 15 us.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+
+import dualattn
+from dualattn import dispatch
+from dualattn.fast.common.launch_args import current_stream_handle
+from dualattn.spec import build_dense
+
+
+def per_call_us(fn, n=2000, rounds=5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return best
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--profile", help="write cProfile stats of the public call here (top 25 printed)")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    call = build_dense(q, k, v)
+    impl = dispatch.select(call.spec, "fast")
+    assert impl.name == "fast-sm90", impl.name
+    impl.forward(call)
+    fn, pack, tail = impl._entry(call.spec, q.device)
+    out, lse = impl.forward(call)
+    dev = q.device
+    steps = {
+        "dualattn.attention (whole public call)": lambda: dualattn.attention(q, k, v, impl="fast"),
+        "dualattn.attention(return_lse=True)": lambda: dualattn.attention(q, k, v, impl="fast", return_lse=True),
+        "impl.forward(prebuilt call)": lambda: impl.forward(call),
+        "  build_dense (memoised spec)": lambda: build_dense(q, k, v),
+        "  dispatch.select": lambda: dispatch.select(call.spec, "fast"),
+        "  _prep x3": lambda: (impl._prep(q), impl._prep(k), impl._prep(v)),
+        "  torch.empty out + lse": lambda: (torch.empty((1, 128, 2, 64), dtype=q.dtype, device=dev),
+                                            torch.empty((1, 2, 128), dtype=torch.float32, device=dev)),
+        "  _entry (memo)": lambda: impl._entry(call.spec, dev),
+        "  pack_args": lambda: impl.pack_args(pack, tail, q, k, v, out, lse),
+        "  current_stream_handle": lambda: current_stream_handle(dev),
+        "  pack + launch": lambda: fn(impl.pack_args(pack, tail, q, k, v, out, lse), current_stream_handle(dev)),
+        "torch.add (a one-kernel torch op, for scale)": lambda: torch.add(q, k),
+    }
+    for name, f in steps.items():
+        print(f"{per_call_us(f):8.2f} us  {name}", flush=True)
+    if a.profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(2000):
+            dualattn.attention(q, k, v, impl="fast")
+        pr.disable()
+        torch.cuda.synchronize()
+        pr.dump_stats(a.profile)
+        pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
