@@ -441,3 +441,21 @@ def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
     ptx_without = FastSm90Forward().compile_only(without, arch=90).__ptx__
     assert _global_stores(ptx_with) >= 1
     assert _global_stores(ptx_without) == 0
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_hd64_without_masks_runs_three_consumer_warpgroups():
+    """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
+    32 / 160 per producer / consumer thread, the epilogue barrier over 384 threads); causal keeps
+    2 warpgroups with ping-pong."""
+    spec = _spec(64, False)
+    assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is False
+    assert FastSm90Forward.config(_spec(64, True))[0] == 128
+    assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    assert ".reqntid 512, 1, 1" in ptx
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+32\b", ptx)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160\b", ptx)
+    assert re.search(r"bar\.sync\s+1,\s*384;", ptx)
+    assert _loops_with(ptx, "wgmma.mma_async") >= 1

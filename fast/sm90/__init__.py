@@ -48,8 +48,8 @@ TILE_CONFIG_DV = {(192, 128): (128, 2)}
 
 
 # Tuning hook (for sweeps against the peers, not for users): DUALATTN_SM90_TILES="128:176,2,0;64:..."
-# overrides, per head dim (D == Dv), tile_n, stages and optionally separate O (0/1) and ping-pong
-# (0/1). Every field is in the compile key, so an override never reuses another config's kernel.
+# overrides, per head dim (D == Dv), tile_n, stages and optionally separate O (0/1), ping-pong
+# (0/1) and the number of consumer warpgroups (2 or 3: tile_m 128 or 192). Every field is in the compile key, so an override never reuses another config's kernel.
 def _tile_override(head_dim: int, head_dim_v: int) -> Optional[Tuple[int, ...]]:
     if head_dim != head_dim_v:
         return None
@@ -68,6 +68,18 @@ def _tile_config(head_dim: int, head_dim_v: int):
     return TILE_CONFIG_DV.get((head_dim, head_dim_v)) or TILE_CONFIG[head_dim]
 
 MAX_KEY_RANGES = 4  # per-row intervals held in registers
+
+
+def _three_warpgroups(spec) -> bool:
+    """hd64 without masks: 3 consumer warpgroups (tile_m 192) instead of 2 with ping-pong.
+    H100, bf16, 16k tokens, one lease (TFLOP/s, 2 -> 3 warpgroups; FA4 / cuDNN in the same run):
+    1k 335 -> 324, 2k 368 -> 422, 4k 428 -> 475, 8k 442 -> 535, 16k 461 -> 522 (FA4 364-585,
+    cuDNN 366-487): more query rows per K/V tile loaded, where hd64's short GEMMs leave the loads
+    and per-block overheads exposed. Causal hd64 lost at 1k-4k (201 -> 137-182 TFLOP/s at 1k;
+    192-row tiles straddle the diagonal longer), so causal, windows, key ranges and block-sparse
+    keep 2."""
+    return (spec.head_dim == 64 and spec.head_dim_v == 64 and not spec.causal
+            and spec.window == (-1, -1) and not spec.has_key_ranges and not spec.has_block_sparse)
 
 
 def _sparse_tile_n(head_dim: int, block_n: int, head_dim_v: Optional[int] = None) -> Optional[int]:
@@ -167,7 +179,14 @@ class FastSm90Forward:
             separate_o = bool(override[2])
         if len(override) > 3:
             pingpong = bool(override[3])
-        return 128, tile_n, stages, pingpong, True, persistent, separate_o
+        # consumer warpgroups (64 query rows each); 3 needs no block-sparse CSR (whose query
+        # blocks are multiples of the 128-row tile) and no ping-pong
+        wgs = 3 if _three_warpgroups(spec) else 2
+        if len(override) > 4 and not spec.has_block_sparse:
+            wgs = override[4]
+        if wgs != 2:
+            pingpong = False
+        return 64 * wgs, tile_n, stages, pingpong, True, persistent, separate_o
 
     @staticmethod
     def mask_flags(spec) -> Tuple[bool, bool, bool]:
@@ -191,13 +210,14 @@ class FastSm90Forward:
 
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
-        _, tile_n, stages, pingpong, overlap, persistent, separate_o = self.config(spec)
+        tile_m, tile_n, stages, pingpong, overlap, persistent, separate_o = self.config(spec)
         wl, wr, sc = self.mask_flags(spec)
         return FlashFwdSm90(_cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v,
                             spec.causal, tile_n, stages, pingpong, overlap, persistent, separate_o,
                             window_left=wl, window_right=wr, softcap=sc,
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
-                            block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec))
+                            block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
+                            num_mma_wg=tile_m // 64)
 
     @staticmethod
     def arg_schema(spec):

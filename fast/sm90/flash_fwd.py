@@ -59,7 +59,7 @@ LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
 # Named barrier ids (0 is __syncthreads).
-_BAR_EPILOGUE = 1     # the 256 consumer threads, around the O staging in shared memory
+_BAR_EPILOGUE = 1     # the consumer threads, around the O staging in shared memory
 _BAR_WG_SCHED = 2     # 2 and 3: ping-pong order of the two consumer warpgroups
 
 
@@ -127,17 +127,24 @@ class FlashFwdSm90:
 
     arch = "sm_90a"
     num_threads_per_wg = 128
-    num_mma_wg = 2
-    tile_m = 128
-    num_producer_regs = 24
-    num_mma_regs = 240
+    # register split per warpgroup kind: (producer, consumer) per thread, by consumer count; the
+    # producer warpgroup needs few (TMA issue), the consumers hold S, P and O
+    REGS = {2: (24, 240), 3: (32, 160)}
 
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
                  num_stages: int, pingpong: bool = True, overlap: bool = True,
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
-                 num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True):
+                 num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
+                 num_mma_wg: int = 2):
         self.dtype = dtype
+        # consumer warpgroups, 64 query rows each: 2 (tile_m 128, ping-pong possible) or 3
+        # (tile_m 192: more rows per K/V tile loaded, for small head dims where the loads and the
+        # per-tile overheads weigh most; no ping-pong, whose schedule pairs two warpgroups)
+        assert num_mma_wg in self.REGS and not (pingpong and num_mma_wg != 2)
+        self.num_mma_wg = num_mma_wg
+        self.tile_m = 64 * num_mma_wg
+        self.num_producer_regs, self.num_mma_regs = self.REGS[num_mma_wg]
         # a call that neither returns the LSE nor needs it for a backward skips its store (the
         # launch then passes no LSE buffer: one allocation less per call)
         self.write_lse = write_lse
@@ -714,13 +721,13 @@ class FlashFwdSm90:
             if const_expr(self.separate_o and not self.varlen):
                 if tidx < 32:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
             rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
             rO.store(acc_O.load().to(self.dtype))
             cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
             if const_expr(not self.varlen):
                 cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
             if const_expr(self.varlen):
                 # shared -> global in 16-byte vectors, rows predicated on this sequence's length:
                 # a TMA store writes whole tiles and would overwrite the next sequence's rows
@@ -738,7 +745,7 @@ class FlashFwdSm90:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
             if const_expr(not self.separate_o):
                 # the store has read Q/O's buffer: hand it back to the producer for the next Q
-                cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=256)
+                cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
                 pipe_q.consumer_release(q_state)
                 q_state.advance()
             tile += step
