@@ -1,12 +1,13 @@
 """Hopper (SM90) attention forward in the CuTe DSL: TMA + WGMMA, warp-specialized.
 
-One CTA computes a (tile_m = 128) x Dv block of O for one (query block, query head, batch):
+One CTA computes a (tile_m = 128, or 192 with 3 consumer warpgroups) x Dv block of O for one
+(query block, query head, batch):
 
 * warpgroup 0 is the producer: after giving registers back (setmaxnreg.dec), its warp 0 issues
   the TMA loads of Q (once) and of K and V (one tile_n x D block per stage) into a multi-stage
   shared-memory ring guarded by mbarriers (full: TMA transaction bytes, empty: one arrive per
   consumer warp);
-* warpgroups 1 and 2 are the consumers (setmaxnreg.inc); each owns 64 rows of the query block and
+* warpgroups 1 and 2 (and 3) are the consumers (setmaxnreg.inc); each owns 64 rows of the query block and
   runs, per key block, S = Q K^T (WGMMA, both operands in shared memory), the mask, the online
   softmax in registers (exp2, scale folded into the exponent) and O += P V (WGMMA with P taken
   from registers). A pair of named barriers orders the two warpgroups' Q K^T issue (ping-pong), so
