@@ -18,6 +18,7 @@ cutlass = pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
 from dualattn.fast.common.sm90_pipeline import (  # noqa: E402
     PipelineConfigError, check_pipeline_config, check_smem_budget)
+from dualattn.fast.common.tile_order import L2_SECTION_BYTES  # noqa: E402
 from dualattn.fast.sm90 import FORWARD, SUPPORTED_HEAD_DIMS, FastSm90Forward  # noqa: E402
 
 
@@ -74,7 +75,7 @@ def test_compile_key_is_explicit_and_shape_free():
     assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, "sm_90a")
+                   False, L2_SECTION_BYTES, "sm_90a")
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
     # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
     assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)

@@ -87,6 +87,23 @@ def test_gpu_case(case, dtype):
     _check(before, out, lse, grads, dout)
 
 
+COMPACT_CASES = [pytest.param(n, dt, id=f"{n}-{str(dt)[6:]}") for n, dt in (
+    ("hd 256", torch.bfloat16), ("dv!=d 192/128 causal", torch.bfloat16), ("hd 256", torch.float32),
+    ("odd 113x203 gqa", torch.bfloat16), ("odd 113x203 gqa", torch.float32))]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,dtype", COMPACT_CASES)
+def test_gpu_tiles_of_gpus_with_99kb_shared_memory(name, dtype, monkeypatch):
+    """The tiles RTX 30xx/40xx/50xx get (configs._COMPACT*), run here by making the launcher see
+    99 KB of shared memory per block."""
+    from dualattn.reference.triton import launch
+    monkeypatch.setattr(launch, "device_shared_memory", lambda index: 99 * 1024)
+    test_gpu_case(next(c for c in CASES if c.name == name), dtype)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.timeout(300)

@@ -147,6 +147,9 @@ def test_tile_table_fits_its_gpus_shared_memory(kernel, bucket):
 
 
 @pytest.mark.parametrize("kernel", list(C._TABLE_FP32))
-def test_fp32_tiles_fit_consumer_shared_memory(kernel):
-    tile = C.tile_for(kernel, 256, C.torch.float32, max_shared=CONSUMER_SHARED)
-    assert _shared_bytes(kernel, 256, tile, 120, dtype="fp32") <= CONSUMER_SHARED, tile
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fp32_tiles_fit_their_gpus_shared_memory(kernel, head_dim):
+    tile = C.tile_for(kernel, head_dim, C.torch.float32)
+    assert _shared_bytes(kernel, head_dim, tile, 80, dtype="fp32") <= C.SHARED_FOR_TABLE, tile
+    small = C.tile_for(kernel, head_dim, C.torch.float32, max_shared=CONSUMER_SHARED)
+    assert _shared_bytes(kernel, head_dim, small, 120, dtype="fp32") <= CONSUMER_SHARED, small

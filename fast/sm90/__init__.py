@@ -7,7 +7,7 @@ Everything else is refused in ``can_implement`` with the reason, so impl="auto" 
 
 Compile cache: one compiled kernel per ``compile_key(spec)`` = (kernel name, dtype, D, Dv, causal,
 window-left?, window-right?, softcap?, tile_m, tile_n, stages, pingpong, overlap, persistent,
-separate O, arch), plus "_nolse" in the name for calls that neither return the LSE nor need it. Batch, sequence lengths, head counts, window sizes, cap and scale are runtime
+separate O, L2 section bytes of the causal tile order, arch), plus "_nolse" in the name for calls that neither return the LSE nor need it. Batch, sequence lengths, head counts, window sizes, cap and scale are runtime
 values, so they never recompile.
 
 Launch: a cached call passes one packed argument (fast/common/launch_args.py: pointers, shapes,
@@ -27,6 +27,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
+from dualattn.fast.common.tile_order import L2_SECTION_BYTES
 from dualattn.fast.common.launch_args import DirectLauncher, current_device_index, current_stream_handle
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
@@ -206,7 +207,7 @@ class FastSm90Forward:
         name += "_bs" if spec.has_block_sparse else ""
         name += "" if self.writes_lse(spec) else "_nolse"
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
-                *self.mask_flags(spec), *self.config(spec), arch_string(arch))
+                *self.mask_flags(spec), *self.config(spec), L2_SECTION_BYTES, arch_string(arch))
 
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90

@@ -45,6 +45,7 @@ from cutlass.utils import LayoutEnum
 from cutlass import Boolean
 
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
+from dualattn.fast.common.tile_order import heads_per_section, heavy_first_in_sections
 from dualattn.fast.common.mask import (
     apply_key_ranges,
     block_inside_ranges,
@@ -443,7 +444,9 @@ class FlashFwdSm90:
 
         Non-causal: m_block varies fastest, so CTAs running together share a head's K/V in L2.
         Causal: the heaviest query blocks come first (longest-processing-time first), which the
-        round-robin assignment of the persistent grid (or the launch order) then balances.
+        round-robin assignment of the persistent grid (or the launch order) then balances; not
+        across all heads at once but within sections of heads whose K/V fit in L2
+        (fast/common/tile_order; varlen: across all, the lengths differ per sequence).
         """
         BM, BN = self.tile_m, self.tile_n
         seqlen_q = mQ.shape[0]
@@ -459,8 +462,16 @@ class FlashFwdSm90:
         rest = tile // num_m_blocks
         if const_expr(self.mask_right):
             hb = num_heads * num_batch
-            m_block = num_m_blocks - 1 - tile // hb
-            rest = tile % hb
+            if const_expr(self.varlen):
+                m_block = num_m_blocks - 1 - tile // hb
+                rest = tile % hb
+            else:
+                # heaviest first within sections of heads whose K/V fit in L2 (fast/common/tile_order)
+                # query heads of one KV head (GQA) share its K/V: a section holds that many more
+                section = heads_per_section(seqlen_k, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
+                                            cutlass.max) * (num_heads // cute.size(mK.shape[2]))
+                m_block, rest = heavy_first_in_sections(tile, num_m_blocks, hb, cutlass.min(section, hb),
+                                                        cutlass.min)
         head = rest % num_heads
         batch = rest // num_heads
         offset_q = Int32(0)

@@ -71,6 +71,9 @@ _COMPACT = {
 # fp32 inputs take exact (ieee) products and twice the bytes: small tiles, fewer stages
 _TABLE_FP32 = {"fwd": Tile(64, 32, 4, 2), "dkdv": Tile(32, 32, 4, 1), "dq": Tile(32, 32, 4, 1),
                "decode": Tile(16, 32, 4, 2)}
+# fp32 at head dims past 128 on GPUs with less than SHARED_FOR_TABLE (the _TABLE_FP32 tiles take
+# 128-137 KB at hd256 there): 94-98 KB
+_COMPACT_FP32_WIDE = {"fwd": Tile(32, 32, 4, 1), "dkdv": Tile(16, 32, 4, 1), "dq": Tile(16, 32, 4, 1)}
 # the CPU interpreter: cost grows with the number of programs and loop trips, not tile size
 _INTERPRETER = Tile(32, 32, 1, 1)
 
@@ -89,6 +92,8 @@ def tile_for(kernel: str, head_dim: int, dtype: torch.dtype, block_size=None, pa
         t = _INTERPRETER
     elif dtype == torch.float32:
         t = _TABLE_FP32[kernel]
+        if max_shared < SHARED_FOR_TABLE and head_dim > 128:
+            t = _COMPACT_FP32_WIDE.get(kernel, t)
     else:
         bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
         t = _TABLE[kernel][bucket]

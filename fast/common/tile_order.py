@@ -1,0 +1,47 @@
+"""Order of the (query block, batch x head) tiles of a causal grid: heaviest first, in L2 sections.
+
+Causal query blocks differ in work (block m visits about m + 1 key blocks), so the grid hands out
+the heaviest first (longest-processing-time first; the hardware, or a persistent grid's stride,
+then balances the light ones at the end). Doing that across *all* heads at once makes the CTAs
+that run together belong to different heads: each streams its own head's K and V, nobody shares
+them in L2, and short causal sequences become bound by memory (H100, hd128 2k causal: ~1.1 GB of
+K/V reads per call at b8 x h16). So the heads are cut into sections whose K and V fit in
+``L2_SECTION_BYTES``; the tiles of one section come together, heaviest first within it.
+
+``heavy_first_in_sections`` is plain integer arithmetic, so the same code runs inside a CuTe DSL
+kernel (Int32 operands, ``minimum=cutlass.min``) and in the CPU tests (Python ints, ``min``).
+"""
+from __future__ import annotations
+
+import os
+
+# K + V bytes of the heads whose tiles run together. H100/H200 have 50 / 60 MB of L2. Measured on
+# an H100 (bf16 causal forward, 16k tokens, TFLOP/s at 1k / 2k; one section = the old order):
+#   hd128: one section 251 / 311, 12 MB 325 / 452, 24 MB 311 / 445, 48 MB 295 / 438
+#   hd256: one section 255 / 465, 12 MB 380 / 516, 24 MB 377 / 501, 48 MB 371 / 527
+#   hd64 : one section 226 / 295, 12 MB 205 / 298, 24 MB 203 / 291, 48 MB 200 / 287
+# (8k-16k within +-5 % of each other); 32 MB, with GQA groups counted once (their query heads
+# share K/V), is the middle of what won. DUALATTN_L2_SECTION_BYTES
+# overrides it (tuning; it is part of the sm90 compile key, so cached kernels never mix values);
+# a huge value gives one section, i.e. heaviest first across all heads.
+L2_SECTION_BYTES = int(os.environ.get("DUALATTN_L2_SECTION_BYTES", 32 * 1024 * 1024))
+
+
+def heads_per_section(seqlen_k, kv_row_bytes: int, maximum: callable, section_bytes: int = L2_SECTION_BYTES):
+    """How many (batch, head) pairs' K and V (``seqlen_k`` rows of ``kv_row_bytes``) fit in a section
+    (at least 1)."""
+    # rows first: seqlen_k * kv_row_bytes could pass 2**31 in an Int32 kernel value
+    return maximum((section_bytes // kv_row_bytes) // maximum(seqlen_k, 1), 1)
+
+
+def heavy_first_in_sections(tile, num_m_blocks, num_bh, section_heads, minimum):
+    """(m_block, bh) of linear tile index ``tile`` in [0, num_m_blocks * num_bh): sections of
+    ``section_heads`` consecutive bh in order; inside a section the last query block of each of
+    its heads first, then the one before, ... The last section may hold fewer heads."""
+    section_tiles = section_heads * num_m_blocks
+    section = tile // section_tiles
+    idx = tile - section * section_tiles
+    heads_here = minimum(section_heads, num_bh - section * section_heads)
+    m_block = num_m_blocks - 1 - idx // heads_here
+    bh = section * section_heads + idx - (idx // heads_here) * heads_here
+    return m_block, bh
