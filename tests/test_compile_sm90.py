@@ -453,6 +453,9 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is False
     assert FastSm90Forward.config(_spec(64, True))[0] == 128
+    # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile
+    assert FastSm90Forward.config(_spec(64, True))[5] is True
+    assert FastSm90Forward.config(_spec(128, True))[5] is False
     assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert ".reqntid 512, 1, 1" in ptx
