@@ -231,7 +231,4 @@ def current_stream_handle(device) -> int:
 def current_stream(device):
     """The current CUDA stream of ``device`` as a CUstream (the cheap raw query where torch has it)."""
     import cuda.bindings.driver as cuda
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    handle = raw(idx) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-    return cuda.CUstream(handle)
+    return cuda.CUstream(current_stream_handle(device))

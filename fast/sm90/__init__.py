@@ -71,16 +71,22 @@ def _tile_config(head_dim: int, head_dim_v: int):
 MAX_KEY_RANGES = 4  # per-row intervals held in registers
 
 
+def _plain_hd64(spec) -> bool:
+    """hd64 (D == Dv) with no window, key ranges or block-sparse CSR: the calls whose grid and
+    tile differ from the other head dims' (see config)."""
+    return (spec.head_dim == 64 and spec.head_dim_v == 64 and spec.window == (-1, -1)
+            and not spec.has_key_ranges and not spec.has_block_sparse)
+
+
 def _three_warpgroups(spec) -> bool:
-    """hd64 without masks: 3 consumer warpgroups (tile_m 192) instead of 2 with ping-pong.
+    """Plain hd64, not causal: 3 consumer warpgroups (tile_m 192) instead of 2 with ping-pong.
     H100, bf16, 16k tokens, one lease (TFLOP/s, 2 -> 3 warpgroups; FA4 / cuDNN in the same run):
     1k 335 -> 324, 2k 368 -> 422, 4k 428 -> 475, 8k 442 -> 535, 16k 461 -> 522 (FA4 364-585,
     cuDNN 366-487): more query rows per K/V tile loaded, where hd64's short GEMMs leave the loads
     and per-block overheads exposed. Causal hd64 lost at 1k-4k (201 -> 137-182 TFLOP/s at 1k;
     192-row tiles straddle the diagonal longer), so causal, windows, key ranges and block-sparse
     keep 2."""
-    return (spec.head_dim == 64 and spec.head_dim_v == 64 and not spec.causal
-            and spec.window == (-1, -1) and not spec.has_key_ranges and not spec.has_block_sparse)
+    return _plain_hd64(spec) and not spec.causal
 
 
 def _sparse_tile_n(head_dim: int, block_n: int, head_dim_v: Optional[int] = None) -> Optional[int]:
@@ -175,10 +181,7 @@ class FastSm90Forward:
         # tile's epilogue with the next one's loads wins (H100, 1k-16k causal, TFLOP/s: 196 /
         # 291 / 368 / 406 / 445 per-tile grid -> 237 / 321 / 391 / 439 / 465 persistent; hd128
         # lost with it: 2k 450 -> 168, 16k 647 -> 554)
-        plain_causal_hd64 = (spec.causal and spec.head_dim == 64 and spec.head_dim_v == 64
-                             and spec.window == (-1, -1) and not spec.has_key_ranges
-                             and not spec.has_block_sparse)
-        persistent = (not (spec.causal or spec.has_key_ranges or spec.has_block_sparse) or plain_causal_hd64) \
+        persistent = (not (spec.causal or spec.has_key_ranges or spec.has_block_sparse) or _plain_hd64(spec)) \
             if _PERSISTENT_ENV == "" else _PERSISTENT_ENV != "0"
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
         pingpong = spec.head_dim <= 128
@@ -365,9 +368,11 @@ class FastSm90Forward:
         out = extra.get("out") if extra else None
         if out is None:
             out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        lse = extra.get("lse") if extra else None
-        if lse is None and self.writes_lse(call.spec):
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        lse = None
+        if self.writes_lse(call.spec):  # else no LSE at all, not even a preallocated one left unwritten
+            lse = extra.get("lse") if extra else None
+            if lse is None:
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
         # the kernel derives O's and LSE's strides from the shapes: they must be contiguous
         assert out.is_contiguous() and (lse is None or lse.is_contiguous()) and out.data_ptr() % 16 == 0
         return out, lse
