@@ -232,3 +232,40 @@ def current_stream(device):
     """The current CUDA stream of ``device`` as a CUstream (the cheap raw query where torch has it)."""
     import cuda.bindings.driver as cuda
     return cuda.CUstream(current_stream_handle(device))
+
+
+def schema_like(prototypes) -> ArgSchema:
+    """The schema of an entry taking these DSL values positionally: runtime pointers (made by
+    ``cute.runtime.make_ptr``; dtype and alignment are compiled in), Int32, Int64, Float32.
+    For kernels whose ``__call__`` takes only pointers and scalars (see ``PackedEntry``)."""
+    import cutlass
+    kinds = {cutlass.Int32: "i32", cutlass.Int64: "i64", cutlass.Float32: "f32"}
+    fields = []
+    for i, p in enumerate(prototypes):
+        if type(p) in kinds:
+            fields.append((f"a{i}", kinds[type(p)]))
+        elif hasattr(p, "dtype") and hasattr(p, "_assumed_align"):
+            fields.append((f"a{i}", ("ptr", p.dtype, p._assumed_align)))
+        else:
+            raise TypeError(f"argument {i}: {type(p).__name__} is not a pointer or a 32/64-bit scalar")
+    return ArgSchema(fields)
+
+
+class PackedLaunch:
+    """A compiled packed-argument entry with its schema: ``launch(device, *values)`` packs the
+    values (pointers as integer addresses, in schema order) and launches on ``device``'s current
+    stream, from ``device``'s context (CUDA refuses a stream of another device)."""
+
+    def __init__(self, fn, schema: ArgSchema):
+        self.fn = fn
+        self.schema = schema
+        self._launch = DirectLauncher(fn)
+        self._pack = schema.pack
+
+    def __call__(self, device, *values) -> None:
+        args = self._pack(*values)
+        if device.index is None or device.index == current_device_index():
+            self._launch(args, current_stream_handle(device))
+        else:
+            with torch.cuda.device(device):
+                self._launch(args, current_stream_handle(device))

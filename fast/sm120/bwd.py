@@ -56,6 +56,7 @@ from cutlass._mlir.dialects import vector
 from dualattn.fast.common.block_info import block_needs_mask, csr_row, n_block_range
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
 from dualattn.fast.common.mask import apply_key_ranges, load_key_ranges
+from dualattn.fast.common.packed_entry import PackedEntry
 from dualattn.fast.common.seqlen_info import seq_bounds
 from dualattn.fast.common.softmax import LOG2_E
 
@@ -132,7 +133,7 @@ def _staged_layout(dtype, rows: int, cols: int, stages: int):
     return cute.tile_to_shape(atom, (rows, cols, stages), (0, 1, 2)), k_atom
 
 
-class FlashBwdSm80:
+class FlashBwdSm80(PackedEntry):
     """dK/dV (and dQ by atomics) kernel for one static configuration."""
 
     def __init__(self, dtype, head_dim: int, cfg: BwdTileConfig, *, varlen: bool, has_left: bool,
@@ -701,7 +702,7 @@ class FlashBwdSm80:
                 cute.copy(s2g, rO[None, m, None], dst[None, m, None])
 
 
-class FlashBwdPreprocess:
+class FlashBwdPreprocess(PackedEntry):
     """delta = rowsum(dO * O) in fp32 and LSE2 = LSE * log2(e) (+inf where LSE is -inf), one pass.
 
     Rows are (token, head) pairs of the (total_q, heads, D) tensors; D / 8 threads share a row

@@ -14,6 +14,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string
+from dualattn.fast.common.launch_args import PackedLaunch, schema_like
 
 from .bwd import SMEM_LIMIT_SM120, SUPPORTED_HEAD_DIMS, FlashBwdPreprocess, FlashBwdSm80, bwd_tile_config
 
@@ -61,44 +62,62 @@ def compile_key(spec, arch: int) -> tuple:
 
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
-    import cutlass
     _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, _arch = key
-    cdt = {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
+    cdt = _kernel_dtype(dt)
     # vector fp32 reductions (red.global.add.v2.f32) exist from sm_90 on
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
                         vec_red=_arch >= 90, has_softcap=has_softcap, num_key_ranges=num_kr,
                         block_sparse=block_sparse)
 
 
-def _ptrs(kernel_dtype, addrs):
+def _ptr(dt, align):
     import cutlass.cute as cute
+    return cute.runtime.make_ptr(dt, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_prototypes(kernel_dtype) -> list:
+    """Stand-ins of FlashBwdSm80.__call__'s arguments before the stream, in order: q, k, v, dO,
+    dK, dV pointers; dQ accumulator, LSE2, delta, semaphores, cu_seqlens_q/k, key ranges; 6 k->q
+    CSR pointers; 14 Int32 (lengths, heads, LSE strides, window, query blocks, key-range strides);
+    4 Float32 (scale_log2, scale, softcap scale, softcap); 10 Int32 (CSR ratios and strides)."""
     from cutlass import Float32, Int32
+    return ([_ptr(kernel_dtype, 16)] * 6 + [_ptr(Float32, 16), _ptr(Float32, 4), _ptr(Float32, 4)]
+            + [_ptr(Int32, 4)] * 10 + [Int32(1)] * 14 + [Float32(1.0)] * 4 + [Int32(1)] * 10)
 
-    def ptr(dt, addr, align):
-        return cute.runtime.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=align)
 
-    q, k, v, do, dk, dv, dq, lse, delta, sem, cuq, cuk, kr, *csr = addrs
-    return [ptr(kernel_dtype, q, 16), ptr(kernel_dtype, k, 16), ptr(kernel_dtype, v, 16), ptr(kernel_dtype, do, 16),
-            ptr(kernel_dtype, dk, 16), ptr(kernel_dtype, dv, 16), ptr(Float32, dq, 16), ptr(Float32, lse, 4),
-            ptr(Float32, delta, 4), ptr(Int32, sem, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4), ptr(Int32, kr, 4)] + [ptr(Int32, a, 4) for a in csr]
+def preprocess_prototypes(kernel_dtype) -> list:
+    """Stand-ins of FlashBwdPreprocess.__call__'s arguments: O, dO, LSE, LSE2, delta pointers, then
+    n_rows, heads, seqlen_q, LSE strides."""
+    from cutlass import Float32, Int32
+    return [_ptr(kernel_dtype, 16)] * 2 + [_ptr(Float32, 4)] * 3 + [Int32(1)] * 5
+
+
+def _compile_packed(kern, prototypes, arch: int, extra_options: str):
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    return cute.compile(kern.from_packed, schema_like(prototypes).fake(), cuda.CUstream(0),
+                        options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
 
 
 def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
-    """Compile for ``key`` with placeholders for every runtime value; returns (fn, kernel object)."""
-    import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-
+    """Compile the packed-argument entry for ``key``; returns (fn, kernel object)."""
     kern = build_kernel(key)
-    p = _ptrs(kern.dtype, (1 << 20,) * 19)
-    args = p + [Int32(1)] * 14 + [Float32(1.0)] * 4 + [Int32(1)] * 10
-    fn = cute.compile(kern, *args, cuda.CUstream(0),
-                      options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
-    return fn, kern
+    return _compile_packed(kern, compile_prototypes(kern.dtype), arch, extra_options), kern
 
 
-def compile_kernel(key: tuple, arch: int):
-    return _cache.get(key, lambda: compile_uncached(key, arch)[0])
+_launches = {}
+
+
+def _launcher(key: tuple, arch: int, compile_fn, prototypes) -> PackedLaunch:
+    hit = _launches.get(key)
+    if hit is None:
+        fn = _cache.get(key, lambda: compile_fn(key, arch)[0])
+        hit = _launches[key] = PackedLaunch(fn, schema_like(prototypes(_kernel_dtype(key[1]))))
+    return hit
+
+
+def compile_kernel(key: tuple, arch: int) -> PackedLaunch:
+    return _launcher(key, arch, compile_uncached, compile_prototypes)
 
 
 def preprocess_key(spec, arch: int) -> tuple:
@@ -107,29 +126,14 @@ def preprocess_key(spec, arch: int) -> tuple:
 
 def compile_preprocess_uncached(key: tuple, arch: int, extra_options: str = ""):
     """Compile the delta / LSE2 preprocess kernel for ``key``; returns (fn, kernel object)."""
-    import cuda.bindings.driver as cuda
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32
-
     _, dt, d, _arch = key
-    cdt = {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
-    kern = FlashBwdPreprocess(cdt, d)
-    p = _pre_ptrs(cdt, (1 << 20,) * 5)
-    fn = cute.compile(kern, *p, *[Int32(1)] * 5, cuda.CUstream(0),
-                      options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
-    return fn, kern
+    kern = FlashBwdPreprocess(_kernel_dtype(dt), d)
+    return _compile_packed(kern, preprocess_prototypes(kern.dtype), arch, extra_options), kern
 
 
-def _pre_ptrs(kernel_dtype, addrs):
-    import cutlass.cute as cute
-    from cutlass import Float32
-    o, do, lse, lse2, delta = addrs
-    mk = cute.runtime.make_ptr
-    g = cute.AddressSpace.gmem
-    return [mk(kernel_dtype, o, g, assumed_align=16), mk(kernel_dtype, do, g, assumed_align=16),
-            mk(Float32, lse, g, assumed_align=4), mk(Float32, lse2, g, assumed_align=4),
-            mk(Float32, delta, g, assumed_align=4)]
+def _kernel_dtype(dt: str):
+    import cutlass
+    return {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
 
 
 def compile_cache() -> CompileCache:
@@ -155,8 +159,6 @@ def _k2q_args(call, dummy: torch.Tensor, cfg):
 
 def run_backward(call, out, lse, dout, arch: int, aligned):
     """(dq, dk, dv) for a call whose forward produced (out, lse)."""
-    import cuda.bindings.driver as cuda
-
     spec = call.spec
     varlen = spec.mode == "varlen"
     q, k, v, do = (aligned(t) for t in (call.q, call.k, call.v, dout))
@@ -173,42 +175,36 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
         total_q, total_k = B * Sq, B * Sk
         lse_sh, lse_sb, rows_per_b = Sq, Hq * Sq, max(Sq, 1)
     lse = lse.contiguous()
-    delta = torch.empty_like(lse)
-    lse2 = torch.empty_like(lse)
+    # LSE2 and delta in one buffer (one allocation)
+    lse2_delta = torch.empty((2,) + lse.shape, dtype=torch.float32, device=q.device)
+    lse2, delta = lse2_delta[0], lse2_delta[1]
     dq_acc = torch.zeros((max(total_q, 1), Hq, D), dtype=torch.float32, device=q.device)
     if total_q == 0 or total_k == 0 or spec.batch == 0:
         dk.zero_()
         dv.zero_()
         return torch.zeros_like(q), dk, dv
-    import cutlass
-    cdt = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[spec.dtype]
-    stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
+    dev = q.device
     pkey = preprocess_key(spec, arch)
-    pre = _cache.get(pkey, lambda: compile_preprocess_uncached(pkey, arch)[0])
-    with torch.cuda.device(q.device):
-        pre(*_pre_ptrs(cdt, (out.data_ptr(), do.data_ptr(), lse.data_ptr(), lse2.data_ptr(), delta.data_ptr())),
-            total_q * Hq, Hq, rows_per_b, lse_sh, lse_sb, stream)
+    pre = _launcher(pkey, arch, compile_preprocess_uncached, preprocess_prototypes)
+    pre(dev, out.data_ptr(), do.data_ptr(), lse.data_ptr(), lse2.data_ptr(), delta.data_ptr(),
+        total_q * Hq, Hq, rows_per_b, lse_sh, lse_sb)
     n_mblocks = -(-spec.seqlen_q // cfg.tile_m)
     sem = torch.zeros((spec.batch * Hq * n_mblocks if spec.deterministic else 1,), dtype=torch.int32,
                       device=q.device)
-    key = compile_key(spec, arch)
-    fn = compile_kernel(key, arch)
+    fn = compile_kernel(compile_key(spec, arch), arch)
     _, _, wl, wr = _window_bounds(spec)
-    cu_q = call.cu_seqlens_q if varlen else sem
-    cu_k = call.cu_seqlens_k if varlen else sem
+    cu_q = call.cu_seqlens_q.data_ptr() if varlen else sem.data_ptr()
+    cu_k = call.cu_seqlens_k.data_ptr() if varlen else sem.data_ptr()
     from .impl import _key_range_args
     kr_ptr, (kr_sb, kr_sh) = _key_range_args(call, sem)
     csr_ptrs, csr_ints = _k2q_args(call, sem, cfg)
     softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
-    p = _ptrs(cdt, (q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-                    dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr(), cu_q.data_ptr(),
-                    cu_k.data_ptr(), kr_ptr, *csr_ptrs))
-    with torch.cuda.device(q.device):
-        fn(*p, total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb, wl, wr,
-           n_mblocks, kr_sb, kr_sh, spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap), *csr_ints,
-           stream)
+    fn(dev, q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+       dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr(), cu_q, cu_k, kr_ptr, *csr_ptrs,
+       total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb, wl, wr,
+       n_mblocks, kr_sb, kr_sh, spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap), *csr_ints)
     # keep the buffers of the asynchronous launch alive until the caller's stream moves on
-    call.extra["_sm120_bwd_keepalive"] = (lse2, delta, sem, q, k, v, do, out, lse)
+    call.extra["_sm120_bwd_keepalive"] = (lse2_delta, sem, q, k, v, do, out, lse)
     dq = dq_acc[:total_q].to(spec.dtype).view(q.shape)
     return dq, dk, dv
 

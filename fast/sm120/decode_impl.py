@@ -23,7 +23,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
-from dualattn.fast.common.launch_args import current_stream as _current_stream
+from dualattn.fast.common.launch_args import DirectLauncher, current_device_index, current_stream_handle
 
 from .decode import DecodeConfig, FlashDecodeSm80, decode_config
 from .impl import SUPPORTED_ARCHS, _cutlass_dtype, window_bounds
@@ -168,7 +168,7 @@ class FastSm120Decode:
             scalars = (wl, wr, math.log2(math.e), spec.scale / spec.softcap, spec.softcap)
         else:
             scalars = (wl, wr, spec.scale * math.log2(math.e), 0.0, 0.0)
-        hit = (fn, FlashDecodeSm80.arg_schema(_cutlass_dtype(spec.dtype)).pack, cfg, splits, scalars)
+        hit = (DirectLauncher(fn), FlashDecodeSm80.arg_schema(_cutlass_dtype(spec.dtype)).pack, cfg, splits, scalars)
         if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
             self._entries.clear()
         self._entries[ek] = hit
@@ -209,11 +209,11 @@ class FastSm120Decode:
                     ws.data_ptr() + 4 * n_rows * D, call.cache_seqlens.data_ptr(), page_table.data_ptr(),
                     B, Sq, Hq, Hkv, spec.num_new_kv, splits, page_size, pt_stride, *q.stride()[:3], wl, wr,
                     *k.stride()[:3], *v.stride()[:3], scale_log2, softcap_scale, softcap)
-        if q.device.index in (None, torch.cuda.current_device()):
-            fn(args, _current_stream(q.device))
+        if q.device.index in (None, current_device_index()):
+            fn(args, current_stream_handle(q.device))
         else:
             with torch.cuda.device(q.device):  # the launch goes to the current device's context
-                fn(args, _current_stream(q.device))
+                fn(args, current_stream_handle(q.device))
         return out, lse
 
     def backward(self, call, out, lse, dout):

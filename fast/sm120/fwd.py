@@ -31,6 +31,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 from dualattn.fast.common.block_info import block_needs_mask, csr_row, n_block_range
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
 from dualattn.fast.common.mask import apply_key_ranges, apply_mask, cta_min_max, load_key_ranges
+from dualattn.fast.common.packed_entry import PackedEntry
 from dualattn.fast.common.seqlen_info import seq_bounds
 from dualattn.fast.common.softmax import LOG2_E, make_softmax_state, online_softmax_step, softmax_finalize
 
@@ -70,7 +71,7 @@ def tile_config(head_dim: int) -> TileConfig:
     return TileConfig(64, 64, 128)
 
 
-class FlashFwdSm80:
+class FlashFwdSm80(PackedEntry):
     """Kernel object for one static configuration; build via ``FlashFwdSm80(...)`` then ``cute.compile``."""
 
     def __init__(self, dtype, head_dim: int, cfg: TileConfig, *, varlen: bool, has_left: bool,

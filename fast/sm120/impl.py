@@ -12,6 +12,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
+from dualattn.fast.common.launch_args import PackedLaunch, schema_like
 
 from .fwd import SMEM_LIMIT_SM120, FlashFwdSm80, tile_config
 
@@ -55,48 +56,54 @@ def build_kernel(key: tuple) -> FlashFwdSm80:
                         num_key_ranges=num_kr)
 
 
-def compile_args(kernel_dtype, ptrs=None, stream=None):
-    """Argument list of the kernel's __call__ (placeholders when ``ptrs`` is None: compile only)."""
-    import cuda.bindings.driver as cuda
-    import cutlass
+def compile_prototypes(kernel_dtype) -> list:
+    """Compile-time stand-ins of FlashFwdSm80.__call__'s arguments before the stream, in order:
+    q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k pointers; 11 Int32 (total_q, total_k, seqlen_q,
+    seqlen_k, batch, heads_q, heads_kv, lse strides, window); 3 Float32 (scale_log2, softcap scale,
+    softcap); 4 CSR pointers and 10 Int32 (ratios, strides); the key-range pointer and 2 Int32."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32
 
-    def ptr(dt, addr, align):
-        return cute.runtime.make_ptr(dt, addr, cute.AddressSpace.gmem, assumed_align=align)
+    def ptr(dt, align):
+        return cute.runtime.make_ptr(dt, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
 
-    if ptrs is None:
-        ptrs = (1 << 20,) * 12
-    q, k, v, o, lse, cuq, cuk, fr, fc, mr, mc, kr = ptrs
-    p = [ptr(kernel_dtype, q, 16), ptr(kernel_dtype, k, 16), ptr(kernel_dtype, v, 16),
-         ptr(kernel_dtype, o, 16), ptr(Float32, lse, 4), ptr(Int32, cuq, 4), ptr(Int32, cuk, 4),
-         ptr(Int32, fr, 4), ptr(Int32, fc, 4), ptr(Int32, mr, 4), ptr(Int32, mc, 4), ptr(Int32, kr, 8)]
-    return p, (stream if stream is not None else cuda.CUstream(0))
+    return ([ptr(kernel_dtype, 16)] * 4 + [ptr(Float32, 4)] + [ptr(Int32, 4)] * 2 + [Int32(1)] * 11
+            + [Float32(1.0)] * 3 + [ptr(Int32, 4)] * 4 + [Int32(1)] * 10 + [ptr(Int32, 8)] + [Int32(1)] * 2)
 
 
 def compile_uncached(key: tuple, arch: int, extra_options: str = ""):
-    """Compile the kernel for ``key``; placeholders stand in for every runtime value.
+    """Compile the kernel's packed-argument entry for ``key``.
 
     Returns (compiled function, kernel object); the kernel object records ``smem_bytes``.
     """
+    import cuda.bindings.driver as cuda
     import cutlass.cute as cute
-    from cutlass import Float32, Int32
 
     kern = build_kernel(key)
-    p, stream = compile_args(kern.dtype)
-    args = p[:7] + [Int32(1)] * 11 + [Float32(1.0)] * 3 + p[7:11] + [Int32(1)] * 10 + p[11:] + [Int32(1)] * 2
-    fn = cute.compile(kern, *args, stream, options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
+    schema = schema_like(compile_prototypes(kern.dtype))
+    fn = cute.compile(kern.from_packed, schema.fake(), cuda.CUstream(0),
+                      options=f"--gpu-arch {arch_string(arch)} {extra_options}".strip())
     return fn, kern
 
 
-def compile_kernel(key: tuple, arch: int):
-    """Compile once per key (see ``compile_key``), then reuse."""
-    return _cache.get(key, lambda: compile_uncached(key, arch)[0])
+_launches = {}
+
+
+def compile_kernel(key: tuple, arch: int) -> PackedLaunch:
+    """Compile once per key (see ``compile_key``), then reuse; returns the launcher."""
+    hit = _launches.get(key)
+    if hit is None:
+        fn = _cache.get(key, lambda: compile_uncached(key, arch)[0])
+        hit = _launches[key] = PackedLaunch(fn, schema_like(compile_prototypes(build_kernel(key).dtype)))
+    return hit
 
 
 class FastSm120Forward:
     name = "fast-sm120"
     family = "fast"
+
+    def __init__(self):
+        self._entries = {}  # (spec, device index) -> launcher and runtime scalars (see _entry)
 
     def auto_skip(self, spec) -> Optional[str]:
         # On Hopper this portable mma.sync kernel is slower than the Triton reference in most
@@ -145,21 +152,33 @@ class FastSm120Forward:
             return f"runs on SM80-SM90 and SM120, not sm_{arch}"
         return None
 
-    def forward(self, call):
-        import cuda.bindings.driver as cuda
+    def _entry(self, spec, device):
+        """(launcher, window bounds, scale_log2, softcap scale, softcap), memoised per (spec, device)
+        so a repeated call builds no key and queries no device."""
+        ek = (spec, device.index)
+        hit = self._entries.get(ek)
+        if hit is None:
+            arch = target_arch(dispatch.device_arch(device.index or 0))
+            launch = compile_kernel(compile_key(spec, arch), arch)
+            _, _, wl, wr = window_bounds(spec)
+            softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
+            hit = (launch, wl, wr, spec.scale * math.log2(math.e), softcap_scale, float(spec.softcap))
+            if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
+                self._entries.clear()
+            self._entries[ek] = hit
+        return hit
 
+    def forward(self, call):
         spec = call.spec
         varlen = spec.mode == "varlen"
         q, k, v = (_aligned(t) for t in (call.q, call.k, call.v))
-        Hq, Hkv, D = spec.num_heads_q, spec.num_heads_kv, spec.head_dim
+        Hq, Hkv = spec.num_heads_q, spec.num_heads_kv
         if varlen:
-            q3, k3, v3 = q, k, v
             total_q, total_k = q.shape[0], k.shape[0]
             lse = torch.empty((Hq, total_q), dtype=torch.float32, device=q.device)
             lse_sh, lse_sb = total_q, 0
         else:
             B, Sq, Sk = spec.batch, spec.seqlen_q, spec.seqlen_k
-            q3, k3, v3 = q.view(B * Sq, Hq, D), k.view(B * Sk, Hkv, D), v.view(B * Sk, Hkv, D)
             total_q, total_k = B * Sq, B * Sk
             lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
             lse_sh, lse_sb = Sq, Hq * Sq
@@ -167,24 +186,20 @@ class FastSm120Forward:
         if total_q == 0 or spec.batch == 0 or spec.seqlen_q == 0:
             return out, lse
 
-        arch = target_arch(dispatch.device_arch(q.device.index or 0))
-        key = compile_key(spec, arch)
-        fn = compile_kernel(key, arch)
-        has_left, has_right, wl, wr = window_bounds(spec)
-        scale_log2 = spec.scale * math.log2(math.e)
-        softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
-        cu_q = call.cu_seqlens_q if varlen else None
-        cu_k = call.cu_seqlens_k if varlen else None
-        bs_ptrs, bs_ints = _block_sparse_args(call, q3)
-        kr_ptr, kr_ints = _key_range_args(call, q3)
-        ptrs = (q3.data_ptr(), k3.data_ptr(), v3.data_ptr(), out.data_ptr(), lse.data_ptr(),
-                (cu_q if varlen else q3).data_ptr(), (cu_k if varlen else q3).data_ptr()) + bs_ptrs + (kr_ptr,)
-        stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
-        p, stream = compile_args(_cutlass_dtype(spec.dtype), ptrs, stream)
-        with torch.cuda.device(q.device):  # the launch goes to the current device's context
-            fn(*p[:7], total_q, max(total_k, 1), spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv,
-               lse_sh, lse_sb, wl, wr, scale_log2, softcap_scale, float(spec.softcap), *p[7:11], *bs_ints,
-               p[11], *kr_ints, stream)
+        launch, wl, wr, scale_log2, softcap_scale, softcap = self._entry(spec, q.device)
+        # (total, heads, D) views: the kernel indexes rows of q/k/v by token
+        qa = q.data_ptr()
+        cu_q = call.cu_seqlens_q.data_ptr() if varlen else qa
+        cu_k = call.cu_seqlens_k.data_ptr() if varlen else qa
+        if spec.has_block_sparse or spec.has_key_ranges:
+            q3 = q
+            bs_ptrs, bs_ints = _block_sparse_args(call, q3)
+            kr_ptr, kr_ints = _key_range_args(call, q3)
+        else:
+            bs_ptrs, bs_ints, kr_ptr, kr_ints = (qa,) * 4, _NO_CSR, qa, (0, 0)
+        launch(q.device, qa, k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), cu_q, cu_k,
+               total_q, max(total_k, 1), spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb,
+               wl, wr, scale_log2, softcap_scale, softcap, *bs_ptrs, *bs_ints, kr_ptr, *kr_ints)
         return out, lse
 
     def backward(self, call, out, lse, dout):
@@ -196,11 +211,14 @@ def bh_strides(t: torch.Tensor):
     return (t.stride(0) if t.shape[0] > 1 else 0, t.stride(1) if t.shape[1] > 1 else 0)
 
 
+_NO_CSR = (1,) * 10  # ratios and strides of the absent CSR (ratio 1 keeps the divisions defined)
+
+
 def _block_sparse_args(call, dummy: torch.Tensor):
     """Pointers and (ratio_m, ratio_n, strides...) of the q->k CSR arrays; placeholders without one."""
     bs = call.block_sparse
     if bs is None:
-        return (dummy.data_ptr(),) * 4, (1,) * 10
+        return (dummy.data_ptr(),) * 4, _NO_CSR
     cfg = tile_config(call.spec.head_dim)
     full, mask = bs.q2k_full, bs.q2k_mask
     arrays, strides = [], []
