@@ -160,6 +160,7 @@ class FlashBwdSm80(PackedEntry):
         assert head_dim % (16 * (warps // cfg.dq_warps_m)) == 0
         assert head_dim % 64 == 0
         assert self.stages in (1, 2)
+        assert 2 * self.tile_m <= self.num_threads  # one thread per LSE2 and per delta row (load_q_step)
         # dS^T (tile_n x tile_m) fills a dO stage (tile_m x D) exactly, with the same stage stride
         assert not self.ds_in_do or self.tile_n == head_dim
 
@@ -633,18 +634,32 @@ class FlashBwdSm80(PackedEntry):
                                   (m_block, 0))
             self.load_rows(g2s, thr_g2s.partition_S(gdO), tQsdO[None, None, None, stage], tQcQ, seqlen_q)
         if cutlass.const_expr(with_q):
-            if tidx < self.tile_m:
-                row = m_block * self.tile_m + tidx
+            # LSE2 by threads [0, tile_m), delta by [tile_m, 2 tile_m), 4-byte cp.async each: they
+            # land with Q, so no warp waits on a global load here (a plain load held its warps,
+            # and every other warp at the next barrier, for the load's whole latency)
+            if tidx < 2 * self.tile_m:
+                r = tidx % self.tile_m
+                row = m_block * self.tile_m + r
                 base = head * lse_stride_h + batch * lse_stride_b
                 if cutlass.const_expr(self.varlen):
                     base = head * lse_stride_h + q_start
-                lse2 = Float32.inf
-                dlt = Float32(0.0)
-                if row < seqlen_q:
-                    lse2 = mLSE[base + row]
-                    dlt = mDelta[base + row]
-                sLSE[stage * self.tile_m + tidx] = lse2
-                sDelta[stage * self.tile_m + tidx] = dlt
+                sidx = stage * self.tile_m + r
+                if tidx < self.tile_m:
+                    self.load_row_scalar(mLSE, sLSE, base + row, sidx, row < seqlen_q, Float32.inf)
+                else:
+                    self.load_row_scalar(mDelta, sDelta, base + row, sidx, row < seqlen_q, Float32(0.0))
+
+    @cute.jit
+    def load_row_scalar(self, mSrc: cute.Tensor, sDst: cute.Tensor, gidx: Int32, sidx: Int32, in_range,
+                        fill: Float32):
+        """sDst[sidx] = mSrc[gidx] by a 4-byte cp.async where ``in_range``, else ``fill`` (rows past
+        the sequence: +inf LSE2 makes their P exactly 0)."""
+        if in_range:
+            atom = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+            cute.copy(atom, cute.make_tensor(mSrc.iterator + gidx, cute.make_layout(1)),
+                      cute.make_tensor(sDst.iterator + sidx, cute.make_layout(1)))
+        else:
+            sDst[sidx] = fill
 
     @cute.jit
     def mask_t(self, acc_mn, tScS_mn, row0_q: Int32, col0_k: Int32, seqlen_q: Int32, seqlen_k: Int32,

@@ -8,6 +8,7 @@ there instead of NaN; both in the LSE layout. dQ is accumulated in an fp32 buffe
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -58,15 +59,21 @@ def compile_key(spec, arch: int) -> tuple:
     has_left, has_right, _, _ = _window_bounds(spec)
     return ("bwd", str(spec.dtype), spec.head_dim, tile_for(spec), spec.mode == "varlen",
             has_left, has_right, bool(spec.deterministic), spec.softcap > 0, spec.num_key_ranges,
-            spec.has_block_sparse, arch)
+            spec.has_block_sparse, _vector_reductions(arch), arch)
+
+
+def _vector_reductions(arch: int) -> bool:
+    """dQ by red.global.add.v2.f32 (sm_90+) rather than scalar reductions; DUALATTN_SM120_VEC_RED=0|1
+    overrides (tuning)."""
+    env = os.environ.get("DUALATTN_SM120_VEC_RED")
+    return arch >= 90 if env is None else env == "1"
 
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
-    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, _arch = key
+    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, _arch = key
     cdt = _kernel_dtype(dt)
-    # vector fp32 reductions (red.global.add.v2.f32) exist from sm_90 on
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
-                        vec_red=_arch >= 90, has_softcap=has_softcap, num_key_ranges=num_kr,
+                        vec_red=vec_red, has_softcap=has_softcap, num_key_ranges=num_kr,
                         block_sparse=block_sparse)
 
 
