@@ -15,9 +15,10 @@ block (causal/window bounds, inverted):
 Loads overlap the math in one of two schedules (the tile config picks, see bwd_tile_config):
 * two stages: Q, dO, LSE2, delta of step m+1 are issued into the other stage at the top of step m,
   so they land during all of step m's math;
-* one stage with dS^T over dO (hd128, where K + V leave no room for a second stage): dO[m] is
-  issued at the top of step m and lands while S^T = K Q^T runs; once dV and dK are done, Q[m+1]
-  is issued and dS^T is written where dO was, and both overlap the dQ product and its atomics.
+* one stage with dS^T over dO (hd128, where K + V leave no room for a second stage): once dV and
+  dK of step m are done, Q[m+1] is issued and dS^T is written where dO was; once the dQ product
+  has read dS^T, dO[m+1] is issued, and it loads during step m's dQ atomics. (Issuing dO[m+1] at
+  the top of step m+1 instead left its load, and a reload of its spilled address, exposed.)
 
 GQA: the query heads of a group are looped inside the CTA (dK/dV stay in registers across them)
 instead of writing per-query-head fp32 partials and reducing: no extra HBM traffic or buffer of
@@ -262,8 +263,9 @@ class FlashBwdSm80(PackedEntry):
         tile_m, tile_n = self.tile_m, self.tile_n
         S = self.stages
         two_stage = self.stages == 2
-        # single stage with dS^T over dO: dO of a step can only load once the previous dQ read dS
-        do_at_top = self.stages == 1 and self.ds_in_do
+        # single stage with dS^T over dO: the next step's dO can only load once this step's dQ
+        # product has read dS^T; it is issued right then, before this step's dQ atomics
+        do_after_dq = self.stages == 1 and self.ds_in_do
         tidx, _, _ = cute.arch.thread_idx()
         bx, by, bz = cute.arch.block_idx()
         n_block, head_kv, batch = bx, by, bz
@@ -369,7 +371,7 @@ class FlashBwdSm80(PackedEntry):
             self.load_rows(g2s, thr_g2s.partition_S(gV), tVsV, tKcK, seqlen_k)
             if n_iters > 0:
                 h0, mb0, _, _ = self.step_at(Int32(0), *vis)
-                self.load_q_step(*qargs, mb0, h0, Int32(0), True, not do_at_top)
+                self.load_q_step(*qargs, mb0, h0, Int32(0), True, True)
             cute.arch.cp_async_commit_group()
 
             for it in cutlass.range(n_iters, unroll=1):
@@ -389,17 +391,11 @@ class FlashBwdSm80(PackedEntry):
                         h1, mb1, _, _ = self.step_at(it + 1, *vis)
                         self.load_q_step(*qargs, mb1, h1, 1 - stg, True, True)
                     cute.arch.cp_async_commit_group()
-                if cutlass.const_expr(do_at_top):
-                    self.load_q_step(*qargs, m_block, head, Int32(0), False, True)
-                    cute.arch.cp_async_commit_group()
 
                 acc_S = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, tile_m)), Float32)
                 acc_S.fill(0.0)
                 self.gemm_ss(mma_kv, acc_S, ld_a, ld_b, tSsK, tSrK_v, tSsQ[None, None, None, stg], tSrQ_v,
                              tSrK, tSrQ)
-                if cutlass.const_expr(do_at_top):
-                    cute.arch.cp_async_wait_group(0)
-                    bar.arrive_and_wait()  # B2: dO landed (it loaded while S^T ran)
                 acc_dP = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, tile_m)), Float32)
                 acc_dP.fill(0.0)
                 self.gemm_ss(mma_kv, acc_dP, ld_a, ld_b, tSsV, tSrV_v, tSsdO[None, None, None, stg], tSrdO_v,
@@ -456,7 +452,7 @@ class FlashBwdSm80(PackedEntry):
                 if cutlass.const_expr(not two_stage):
                     if it + 1 < n_iters:  # the next Q (+ dO) loads while dS^T is stored and dQ runs
                         h1, mb1, _, _ = self.step_at(it + 1, *vis)
-                        self.load_q_step(*qargs, mb1, h1, Int32(0), True, not do_at_top)
+                        self.load_q_step(*qargs, mb1, h1, Int32(0), True, not do_after_dq)
                     cute.arch.cp_async_commit_group()
                 cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS[None, None, None, dstg])
                 bar.arrive_and_wait()  # B4: dS^T complete in smem
@@ -465,6 +461,14 @@ class FlashBwdSm80(PackedEntry):
                 acc_dQ.fill(0.0)
                 self.gemm_ss(mma_q, acc_dQ, ld_qa_t, ld_qb_t, tQsdS[None, None, None, dstg], tQrdS_v, tQsKt,
                              tQrKt_v, tQrdS, tQrKt)
+                if cutlass.const_expr(do_after_dq):
+                    # B5: every warp has read dS^T, so the dO stage under it may take the next dO,
+                    # which then loads during this step's atomics (and lands with the next Q)
+                    bar.arrive_and_wait()
+                    if it + 1 < n_iters:
+                        h1, mb1, _, _ = self.step_at(it + 1, *vis)
+                        self.load_q_step(*qargs, mb1, h1, Int32(0), False, True)
+                    cute.arch.cp_async_commit_group()
 
                 # a CSR query block may reach past the sequence: its tiles there add nothing and, for
                 # every visitor alike, touch no semaphore (the array has ceil(seqlen_q / tile_m) per head)
