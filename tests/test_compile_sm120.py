@@ -124,6 +124,9 @@ BWD_CONFIGS = [
     (120, torch.float16, 64, True, False, (64, 0), True, 0.0, 1, (128, 128)),
     (80, torch.float16, 64, True, False, (-1, -1), False),
     (80, torch.bfloat16, 128, False, True, (32, -1), True),
+    (120, torch.bfloat16, 32, False, True, (-1, -1), True),
+    (120, torch.float16, 96, True, False, (-1, -1), False, 0.0, 1, (128, 128)),
+    (80, torch.bfloat16, 96, False, True, (-1, -1), True),
 ]
 
 
@@ -176,7 +179,7 @@ def test_bwd_compiles(cfg):
     assert 0 <= kern.smem_bytes - tile_for(spec).smem_bytes(d) < 2048
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
 def test_bwd_smem_budget(d):
     from dualattn.fast.sm120.bwd import SMEM_LIMIT_SM120, bwd_tile_config
 
@@ -189,7 +192,7 @@ def test_bwd_smem_budget(d):
 @pytest.mark.compile_only
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("arch,dtype,d", [(120, torch.bfloat16, 128), (120, torch.float16, 64),
-                                          (80, torch.bfloat16, 64)])
+                                          (80, torch.bfloat16, 64), (120, torch.bfloat16, 96)])
 def test_bwd_preprocess_compiles(arch, dtype, d):
     from dataclasses import replace
 

@@ -92,9 +92,15 @@ class BwdTileConfig:
 #           delta double-buffered, dS^T in its own tile: 96 KB. H100, bf16, 16k tokens: 0.90-0.99x
 #           FA2 (64 x 128 with 16-row warps: 0.75-0.80x; 32 x 128 with 4 warps: 0.81-1.00x).
 #   hd 128: 32 key rows per warp would need 256 dK/dV registers, so 16; K + V take 64 KB;
-#           64 x 128 single-buffered with dS^T written over the dO tile once dV is done (96 KB):
-#           dO of a step loads while S^T = K Q^T runs, the next Q while dQ runs. H100: 0.74-0.82x
-#           FA2 (32 x 128 double-buffered, also 96 KB: 0.73-0.80x).
+#           64 x 128 single-buffered with dS^T written over the dO tile once dK is done (96 KB):
+#           the next Q loads while dS^T is stored and dQ runs, the next dO during the dQ atomics.
+#           H100 (2026-11-24, after the launch, LSE-load and dO-schedule fixes): 0.85-0.98x FA2;
+#           32 x 128 double-buffered (also 96 KB, no spill): 0.78-0.99x.
+#   hd 32 : 64 x 256, 8 warps of 32 key rows, double-buffered: 80 KB (dQ warp grid 4 x 2, as
+#           D = 32 holds only two 16-column warps).
+#   hd 96 : 64 x 128 single-buffered with its own dS^T tile (88 KB; dS^T over dO needs
+#           tile_n == D, and 96-key tiles would not divide 128-key CSR blocks), dQ warp grid 4 x 2.
+#   Not measured against FA2 (hd 32 / 96 are not in the benchmark matrix): tested for accuracy.
 # Grid order (n_slowest): with key blocks slowest the longest causal CTAs start first and the CTAs
 # running together belong to different heads (their dQ atomics spread out); with key blocks
 # fastest the running CTAs share their head's Q/dO in L2. Each entry uses the order it was
@@ -117,12 +123,19 @@ def _bwd_tile_config(head_dim: int) -> BwdTileConfig:
             if int(hd) == head_dim:
                 v = [int(x) for x in cfg.split(",")]
                 return BwdTileConfig(v[0], v[1], v[2], v[3], v[4], bool(v[5]), bool(v[6]) if len(v) > 6 else False)
+    if head_dim <= 32:
+        return BwdTileConfig(64, 256, 256, 4, 2, False, True)
     if head_dim <= 64:
         return BwdTileConfig(32, 256, 256, 2, 2, False, True)
+    if head_dim <= 96:
+        return BwdTileConfig(64, 128, 256, 4, 1, False, False)
     return BwdTileConfig(64, 128, 256, 2, 1, True, False)
 
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+# Beyond 128, dK and dV of a warp's 16 key rows (2 x 16 x D fp32 accumulators per warp) take
+# 2 x D / 2 registers per thread: 192 at D = 192 and 256 at D = 256, past the 255 available
+# next to the S^T / dP^T accumulators; those head dims would need a kernel whose warps split D.
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128)
 
 
 def _staged_layout(dtype, rows: int, cols: int, stages: int):
@@ -159,7 +172,7 @@ class FlashBwdSm80(PackedEntry):
         assert self.tile_n % (16 * warps) == 0 and self.tile_n // warps in (16, 32)
         assert self.tile_m % (16 * cfg.dq_warps_m) == 0
         assert head_dim % (16 * (warps // cfg.dq_warps_m)) == 0
-        assert head_dim % 64 == 0
+        assert head_dim % 32 == 0
         assert self.stages in (1, 2)
         assert 2 * self.tile_m <= self.num_threads  # one thread per LSE2 and per delta row (load_q_step)
         # dS^T (tile_n x tile_m) fills a dO stage (tile_m x D) exactly, with the same stage stride
@@ -179,8 +192,8 @@ class FlashBwdSm80(PackedEntry):
                  f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32,
                  stream):
         D = self.head_dim
-        sq = cute.assume(heads_q * D, divby=64)
-        skv = cute.assume(heads_kv * D, divby=64)
+        sq = cute.assume(heads_q * D, divby=32)
+        skv = cute.assume(heads_kv * D, divby=32)
         mQ = cute.make_tensor(pQ, cute.make_layout((total_q, heads_q, D), stride=(sq, D, 1)))
         mdO = cute.make_tensor(pdO, cute.make_layout((total_q, heads_q, D), stride=(sq, D, 1)))
         mK = cute.make_tensor(pK, cute.make_layout((total_k, heads_kv, D), stride=(skv, D, 1)))
@@ -737,8 +750,10 @@ class FlashBwdPreprocess(PackedEntry):
         self.dtype = dtype
         self.head_dim = head_dim
         self.vec = 128 // dtype.width
-        assert head_dim % self.vec == 0 and 32 % (head_dim // self.vec) == 0
-        self.thr_cols = head_dim // self.vec
+        assert head_dim % self.vec == 0
+        # threads per row: the largest power of two dividing D / vec (12 vectors at D = 96: 4
+        # threads of 3 vectors each), so the butterfly reduction below stays within the row
+        self.thr_cols = min((head_dim // self.vec) & -(head_dim // self.vec), 32)
         self.rows = self.num_threads // self.thr_cols
 
     @cute.jit
