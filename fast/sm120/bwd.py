@@ -104,19 +104,22 @@ class BwdTileConfig:
 # Grid order (n_slowest): with key blocks slowest the longest causal CTAs start first and the CTAs
 # running together belong to different heads (their dQ atomics spread out); with key blocks
 # fastest the running CTAs share their head's Q/dO in L2. Each entry uses the order it was
-# measured fastest with (hd128 at 2k: 0.74 against 0.66 with key blocks slowest).
+# measured fastest with: hd128 without a causal/window band keeps key blocks fastest, with one
+# key blocks slowest (H100, one run, causal 4k-16k: 0.87-0.94x FA2 against 0.85-0.89x; without a
+# band key blocks slowest lost at 1k and 16k: 0.86 / 0.80 against 1.02 / 0.86).
 # DUALATTN_SM120_BWD_TILES="128:64,128,256,2,1,1,0;64:..." overrides entries by head dim (tuning):
 # tile_m, tile_n, threads, dq_warps_m, stages, ds_in_do[, n_slowest].
-def bwd_tile_config(head_dim: int, block_n: int = 0) -> BwdTileConfig:
+def bwd_tile_config(head_dim: int, block_n: int = 0, banded: bool = False) -> BwdTileConfig:
     """The tile of ``head_dim``; ``block_n`` > 0 is the key-block width of a block-sparse CSR, which
-    the key tile must divide (hd64's 256-key tile gives way to 128 keys with 4 warps: 0.81-1.00x FA2)."""
-    cfg = _bwd_tile_config(head_dim)
+    the key tile must divide (hd64's 256-key tile gives way to 128 keys with 4 warps: 0.81-1.00x FA2);
+    ``banded``: a causal or window mask bounds each key block's query range (grid order above)."""
+    cfg = _bwd_tile_config(head_dim, banded)
     if block_n and block_n % cfg.tile_n and head_dim <= 64:
         cfg = BwdTileConfig(32, 128, 128, 2, 2, False, True)
     return cfg
 
 
-def _bwd_tile_config(head_dim: int) -> BwdTileConfig:
+def _bwd_tile_config(head_dim: int, banded: bool) -> BwdTileConfig:
     for entry in os.environ.get("DUALATTN_SM120_BWD_TILES", "").split(";"):
         if entry.strip():
             hd, cfg = entry.split(":")
@@ -129,7 +132,7 @@ def _bwd_tile_config(head_dim: int) -> BwdTileConfig:
         return BwdTileConfig(32, 256, 256, 2, 2, False, True)
     if head_dim <= 96:
         return BwdTileConfig(64, 128, 256, 4, 1, False, False)
-    return BwdTileConfig(64, 128, 256, 2, 1, True, False)
+    return BwdTileConfig(64, 128, 256, 2, 1, True, banded)
 
 
 # Beyond 128, dK and dV of a warp's 16 key rows (2 x 16 x D fp32 accumulators per warp) take

@@ -32,7 +32,8 @@ def _window_bounds(spec):
 
 def tile_for(spec):
     """The backward tile of a call: by head dim, and dividing the CSR's key blocks if it has one."""
-    return bwd_tile_config(spec.head_dim, spec.block_size[1] if spec.has_block_sparse else 0)
+    return bwd_tile_config(spec.head_dim, spec.block_size[1] if spec.has_block_sparse else 0,
+                           banded=spec.causal or spec.window != (-1, -1))
 
 
 def backward_reason(spec) -> Optional[str]:
