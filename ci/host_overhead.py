@@ -1,6 +1,6 @@
 """Where the host time of a cached fast-sm90 forward call goes (a diagnosis tool, GPU only).
 
-    python ci/host_overhead.py [--profile FILE]
+    python ci/host_overhead.py [--impl fast-sm90|fast-sm120|fast-sm120-train] [--profile FILE]
 
 Times, per call, back-to-back without synchronising (the GPU queue absorbs the launches) on a
 tiny problem: the whole public call ``dualattn.attention(..., impl="fast")`` and each step of it
@@ -38,9 +38,13 @@ def per_call_us(fn, n=2000, rounds=5) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--profile", help="write cProfile stats of the public call here (top 25 printed)")
+    ap.add_argument("--impl", default="fast-sm90", help="fast-sm90 (every step), or another implementation "
+                    "(the whole call and its forward / backward only)")
     a = ap.parse_args()
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    if a.impl != "fast-sm90":
+        return other_impl(a.impl, q, k, v)
     call = build_dense(q, k, v)
     impl = dispatch.select(call.spec, "fast")
     assert impl.name == "fast-sm90", impl.name
@@ -74,6 +78,25 @@ def main():
         torch.cuda.synchronize()
         pr.dump_stats(a.profile)
         pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+
+
+def other_impl(name, q, k, v):
+    """Whole-call and forward / backward host time of any implementation by name."""
+    from dataclasses import replace
+    impl = {i.name: i for i in dispatch.implementations()}[name]
+    call = build_dense(q, k, v, return_lse=True)
+    if name.endswith("-train"):
+        call.spec = replace(call.spec, needs_grad=True)
+    out, lse = impl.forward(call)
+    steps = {f"dualattn.attention(impl={name!r})": lambda: dualattn.attention(q, k, v, impl=name),
+             "impl.forward(prebuilt call)": lambda: impl.forward(call)}
+    if name.endswith("-train"):
+        dout = torch.randn_like(out)
+        steps = {"impl.forward(prebuilt call)": lambda: impl.forward(call),
+                 "impl.backward (preprocess + kernel + dQ cast)": lambda: impl.backward(call, out, lse, dout)}
+    steps["torch.add (a one-kernel torch op, for scale)"] = lambda: torch.add(q, k)
+    for label, f in steps.items():
+        print(f"{per_call_us(f, n=500):8.2f} us  {label}", flush=True)
 
 
 if __name__ == "__main__":

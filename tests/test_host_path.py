@@ -239,3 +239,38 @@ def test_direct_launcher_matches_the_dsl_call():
     off(sch.pack(buf.data_ptr(), 9, 9 << 10, 9.0, 9), cuda.CUstream(0))
     off(sch.pack(buf.data_ptr(), 8, 8 << 10, 8.0, 8), cuda.CUstream(0))
     assert buf.tolist() == [8.0, 8.0, 8.0, 8.0] and getattr(off._tls, "state", None) is None
+
+
+@pytest.mark.compile_only
+def test_packed_entry_passes_call_arguments_in_order():
+    # the sm120 kernels' one-struct launch: a schema derived from __call__'s prototypes, compiled
+    # through PackedEntry.from_packed, hands every value to __call__ in its place (host-only probe)
+    pytest.importorskip("cutlass")
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32
+
+    from dualattn.fast.common.launch_args import DirectLauncher, schema_like
+    from dualattn.fast.common.packed_entry import PackedEntry
+
+    class Probe(PackedEntry):
+        @cute.jit
+        def __call__(self, p_out: cute.Pointer, a: Int32, s: Float32, p_unused: cute.Pointer, b: Int32, stream):
+            t = cute.make_tensor(p_out, cute.make_layout(3))
+            t[0] = Float32(a)
+            t[1] = s
+            t[2] = Float32(b)
+
+    ptr = cute.runtime.make_ptr
+    protos = [ptr(Float32, 1 << 20, cute.AddressSpace.gmem, assumed_align=4), Int32(1), Float32(1.0),
+              ptr(Int32, 1 << 20, cute.AddressSpace.gmem, assumed_align=8), Int32(1)]
+    sch = schema_like(protos)
+    assert sch.kinds == ["ptr", "i32", "f32", "ptr", "i32"]
+    assert [sch.ptr_info[n][1] for n in ("a0", "a3")] == [4, 8]  # alignments are compiled in
+    fn = cute.compile(Probe().from_packed, sch.fake(), cuda.CUstream(0))
+    launch, buf = DirectLauncher(fn), torch.zeros(3)
+    for i in range(3):  # the DSL's path, then the direct one
+        launch(sch.pack(buf.data_ptr(), 7 + i, 0.25 * i, 64, -3 - i), cuda.CUstream(0))
+        assert buf.tolist() == [7.0 + i, 0.25 * i, -3.0 - i]
+    with pytest.raises(TypeError, match="argument 1"):
+        schema_like([protos[0], 3])

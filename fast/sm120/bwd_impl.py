@@ -230,14 +230,7 @@ class FastSm120Train:
         self._fwd = forward_impl
 
     def auto_skip(self, spec) -> Optional[str]:
-        # On Hopper this portable mma.sync kernel is slower than the Triton reference in most
-        # cells (H200, bf16, bench --quick: fwd hd128 8k 369 vs 483 TFLOP/s, window 228 vs 379;
-        # backward 0.74-0.99x FA2 on an H100 vs Triton's 1.16x on the H200), and fast-sm90 is the
-        # Hopper kernel.
-        # impl="fast" still uses it; impl="auto" prefers Triton there.
-        if dispatch.device_arch() == 90:
-            return "on sm_90 the Triton kernels are measured faster than this portable kernel"
-        return None
+        return self._fwd.auto_skip(spec)  # the same measurements decide (impl.py)
 
     def can_implement(self, spec) -> Optional[str]:
         from dataclasses import replace

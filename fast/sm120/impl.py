@@ -107,10 +107,10 @@ class FastSm120Forward:
 
     def auto_skip(self, spec) -> Optional[str]:
         # On Hopper this portable mma.sync kernel is slower than the Triton reference in most
-        # cells (H200, bf16, bench --quick: fwd hd128 8k 369 vs 483 TFLOP/s, window 228 vs 379;
-        # backward 0.74-0.99x FA2 on an H100 vs Triton's 1.16x on the H200), and fast-sm90 is the
-        # Hopper kernel.
-        # impl="fast" still uses it; impl="auto" prefers Triton there.
+        # cells (H100, bf16, against FA2 in the same runs: forward 1.00-1.18x vs Triton's
+        # 1.16-1.97x; backward hd128 0.85-1.00x vs 0.82-1.27x, hd64 0.92-1.11x vs 1.24-1.50x),
+        # and fast-sm90 is the Hopper kernel. impl="fast" still uses it; impl="auto" prefers
+        # Triton there.
         if dispatch.device_arch() == 90:
             return "on sm_90 the Triton kernels are measured faster than this portable kernel"
         return None
