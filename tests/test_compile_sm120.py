@@ -127,6 +127,8 @@ BWD_CONFIGS = [
     (120, torch.bfloat16, 32, False, True, (-1, -1), True),
     (120, torch.float16, 96, True, False, (-1, -1), False, 0.0, 1, (128, 128)),
     (80, torch.bfloat16, 96, False, True, (-1, -1), True),
+    (120, torch.bfloat16, 256, False, True, (-1, -1), True),
+    (120, torch.float16, 192, True, False, (64, 16), False, 30.0, 0, (128, 128)),
 ]
 
 
@@ -179,14 +181,39 @@ def test_bwd_compiles(cfg):
     assert 0 <= kern.smem_bytes - tile_for(spec).smem_bytes(d) < 2048
 
 
-@pytest.mark.parametrize("d", [32, 64, 96, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
 def test_bwd_smem_budget(d):
     from dualattn.fast.sm120.bwd import SMEM_LIMIT_SM120, bwd_tile_config
 
     cfg = bwd_tile_config(d)
     # + 1 KB: the struct's alignment padding (checked against the compiled size above)
     assert cfg.smem_bytes(d) + 1024 <= SMEM_LIMIT_SM120
-    assert not cfg.ds_in_do or cfg.tile_n == d
+    # dS^T over dO: the same stage stride with two stages, or just fitting in one
+    assert not cfg.ds_in_do or cfg.tile_n == d or (cfg.stages == 1 and cfg.tile_n <= d)
+    assert d % cfg.d_split == 0 and (cfg.d_split == 1 or (d // cfg.d_split) % 64 == 0)
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d", [192, 256])
+def test_bwd_every_d_slice_compiles(d):
+    # past D = 128 the backward launches one kernel per D-slice of dK / dV / dQ: each must build
+    from dataclasses import replace
+
+    from dualattn.fast.sm120.bwd_impl import compile_key, compile_uncached, tile_for
+
+    spec = replace(_spec(torch.bfloat16, d, False, True, (-1, -1), 0.0), needs_grad=True)
+    cfg = tile_for(spec)
+    assert cfg.d_split > 1
+    keys = {compile_key(spec, 120, s) for s in range(cfg.d_split)}
+    assert len(keys) == cfg.d_split  # the slice is in the key
+    for s in range(cfg.d_split):
+        with tempfile.TemporaryDirectory() as tmp:
+            fn, kern = compile_uncached(compile_key(spec, 120, s), 120, f"--keep-ptx --keep-cubin --dump-dir {tmp}")
+            ptx = _check_cubin(fn, 120)
+        assert kern.d_out == d // cfg.d_split and kern.d_slice == s
+        assert re.search(r"mma\.sync\.aligned\.m16n8k16", ptx)
+        assert kern.smem_bytes <= SMEM_LIMIT
 
 
 @pytest.mark.compile_only

@@ -65,7 +65,7 @@ def _run_and_check(call, seed=0, bitwise_reruns=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("D", [32, 64, 96, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 192, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @gpu_test
 def test_dense(dtype, D, causal):
@@ -74,7 +74,7 @@ def test_dense(dtype, D, causal):
 
 @pytest.mark.parametrize("sq,sk", [(1, 1), (113, 203), (203, 113), (239, 1), (1, 239), (128, 256)])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [32, 64, 96, 128])
+@pytest.mark.parametrize("D", [32, 64, 96, 128, 192, 256])
 @gpu_test
 def test_odd_shapes(sq, sk, causal, D):
     # Sq > Sk with bottom-right causal leaves the first rows with no key: zero gradients there
@@ -114,6 +114,7 @@ def test_varlen(causal):
 
 @pytest.mark.parametrize("D,causal,shape", [(64, True, (2, 700, 500, 8, 2)), (128, False, (1, 239, 203, 6, 1)),
                                              (96, True, (1, 333, 300, 4, 2)), (32, False, (2, 300, 333, 4, 4)),
+                                             (192, True, (1, 239, 203, 4, 2)), (256, False, (2, 130, 270, 2, 1)),
                                             (128, True, (1, 113, 1030, 4, 4)), (64, False, (1, 1, 1, 2, 1))])
 @gpu_test
 def test_deterministic_bitwise(D, causal, shape):
@@ -170,6 +171,7 @@ def test_key_ranges_varlen():
 
 @pytest.mark.parametrize("D,block,causal,det", [(64, (128, 128), False, True), (64, (128, 256), True, False),
                                                  (96, (128, 128), True, True), (32, (128, 256), False, False),
+                                                 (192, (128, 128), True, True), (256, (128, 64), False, False),
                                                  (128, (128, 128), True, True), (128, (256, 128), False, False),
                                                  (128, (128, 256), False, True)])
 @gpu_test
@@ -266,8 +268,8 @@ def _spec(**kw):
 @pytest.mark.parametrize("kw,words", [
     (dict(needs_grad=False), "training calls only"),
     (dict(block_size=(32, 128)), "block-sparse block size"),
-    (dict(head_dim=192, head_dim_v=192), "head dim"),
-    (dict(head_dim=256, head_dim_v=256), "head dim"),
+    (dict(head_dim=160, head_dim_v=160), "head dim"),
+    (dict(head_dim=224, head_dim_v=224), "head dim"),
     (dict(mode="kvcache"), "kvcache"),
     (dict(device_type="cpu"), "CUDA"),
 ])

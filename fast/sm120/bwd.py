@@ -73,6 +73,7 @@ class BwdTileConfig:
     stages: int = 1  # smem stages of Q, dO, LSE2, delta: 2 loads the next query block during this one
     ds_in_do: bool = False  # dS^T is written over the dO stage just consumed (needs tile_n == head_dim)
     n_slowest: bool = False  # grid order: key blocks slowest (else fastest), see FlashBwdSm80.__call__
+    d_split: int = 1  # D-slices of dK/dV/dQ, one kernel launch each (head dims past 128, see below)
 
     def smem_bytes(self, head_dim: int, elem_bytes: int = 2) -> int:
         """Bytes of the kernel's shared-memory struct (tiles are 1024-byte aligned, rows 16)."""
@@ -125,20 +126,29 @@ def _bwd_tile_config(head_dim: int, banded: bool) -> BwdTileConfig:
             hd, cfg = entry.split(":")
             if int(hd) == head_dim:
                 v = [int(x) for x in cfg.split(",")]
-                return BwdTileConfig(v[0], v[1], v[2], v[3], v[4], bool(v[5]), bool(v[6]) if len(v) > 6 else False)
+                return BwdTileConfig(v[0], v[1], v[2], v[3], v[4], bool(v[5]), bool(v[6]) if len(v) > 6 else False,
+                                     v[7] if len(v) > 7 else 1)
     if head_dim <= 32:
         return BwdTileConfig(64, 256, 256, 4, 2, False, True)
     if head_dim <= 64:
         return BwdTileConfig(32, 256, 256, 2, 2, False, True)
     if head_dim <= 96:
         return BwdTileConfig(64, 128, 256, 4, 1, False, False)
-    return BwdTileConfig(64, 128, 256, 2, 1, True, banded)
+    if head_dim <= 128:
+        return BwdTileConfig(64, 128, 256, 2, 1, True, banded)
+    if head_dim <= 192:
+        return BwdTileConfig(64, 64, 128, 2, 1, True, banded, 3)
+    return BwdTileConfig(32, 64, 128, 2, 1, True, banded, 2)
 
 
-# Beyond 128, dK and dV of a warp's 16 key rows (2 x 16 x D fp32 accumulators per warp) take
-# 2 x D / 2 registers per thread: 192 at D = 192 and 256 at D = 256, past the 255 available
-# next to the S^T / dP^T accumulators; those head dims would need a kernel whose warps split D.
-SUPPORTED_HEAD_DIMS = (32, 64, 96, 128)
+# Past D = 128, dK and dV of a warp's 16 key rows over the whole D (2 x D / 2 fp32 registers per
+# thread: 192 at D = 192, 256 at D = 256) do not fit beside the S^T / dP^T accumulators in 255
+# registers. Those head dims split D: kernel s of d_split computes dK, dV and dQ for columns
+# [s D / d_split, (s + 1) D / d_split) only (64 at D = 192, 128 at D = 256: slices on whole 64-column
+# swizzle atoms), recomputing S^T and dP^T (full-D products) in each; 64 key rows per CTA so that K
+# and V of the full D fit beside Q and dO (96 KB). The recomputation costs 1.8x (D = 192) and 1.4x
+# (D = 256) the FLOPs of one pass: correctness first where 99 KB leaves no room for FA2's layout.
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 
 
 def _staged_layout(dtype, rows: int, cols: int, stages: int):
@@ -155,9 +165,14 @@ class FlashBwdSm80(PackedEntry):
 
     def __init__(self, dtype, head_dim: int, cfg: BwdTileConfig, *, varlen: bool, has_left: bool,
                  has_right: bool, deterministic: bool, vec_red: bool = False, has_softcap: bool = False,
-                 num_key_ranges: int = 0, block_sparse: bool = False):
+                 num_key_ranges: int = 0, block_sparse: bool = False, d_slice: int = 0):
         self.dtype = dtype
         self.head_dim = head_dim
+        # the columns of dK, dV and dQ this kernel computes: slice d_slice of cfg.d_split
+        self.d_out = head_dim // cfg.d_split
+        self.d_slice = d_slice
+        assert 0 <= d_slice < cfg.d_split and head_dim % cfg.d_split == 0
+        assert cfg.d_split == 1 or self.d_out % 64 == 0  # slices on whole swizzle atoms
         self.cfg = cfg
         self.tile_m, self.tile_n, self.num_threads = cfg.tile_m, cfg.tile_n, cfg.num_threads
         self.stages = cfg.stages
@@ -174,12 +189,13 @@ class FlashBwdSm80(PackedEntry):
         # each warp owns tile_n / warps key rows (16 or 32): its rows of S^T, dP^T, dK, dV
         assert self.tile_n % (16 * warps) == 0 and self.tile_n // warps in (16, 32)
         assert self.tile_m % (16 * cfg.dq_warps_m) == 0
-        assert head_dim % (16 * (warps // cfg.dq_warps_m)) == 0
+        assert self.d_out % (16 * (warps // cfg.dq_warps_m)) == 0
         assert head_dim % 32 == 0
         assert self.stages in (1, 2)
         assert 2 * self.tile_m <= self.num_threads  # one thread per LSE2 and per delta row (load_q_step)
         # dS^T (tile_n x tile_m) fills a dO stage (tile_m x D) exactly, with the same stage stride
-        assert not self.ds_in_do or self.tile_n == head_dim
+        # (one stage: it only has to fit)
+        assert not self.ds_in_do or self.tile_n == head_dim or (self.stages == 1 and self.tile_n <= head_dim)
 
     @cute.jit
     def __call__(self, pQ: cute.Pointer, pK: cute.Pointer, pV: cute.Pointer, pdO: cute.Pointer,
@@ -321,6 +337,11 @@ class FlashBwdSm80(PackedEntry):
             sQt = cute.composition(sQ, cute.make_layout((D, tile_m, S), stride=(tile_m, 1, tile_m * D)))
             sdOt = cute.composition(sdO, cute.make_layout((D, tile_m, S), stride=(tile_m, 1, tile_m * D)))
             sKt = cute.composition(sK, cute.make_layout((D, tile_n), stride=(tile_n, 1)))
+            # this kernel's D-slice (all of D unless cfg.d_split > 1) of the operands of dV, dK, dQ
+            Do, d0 = self.d_out, self.d_slice * self.d_out
+            sQt_o = cute.local_tile(sQt, (Do, tile_m, S), (self.d_slice, 0, 0))
+            sdOt_o = cute.local_tile(sdOt, (Do, tile_m, S), (self.d_slice, 0, 0))
+            sKt_o = cute.local_tile(sKt, (Do, tile_n), (self.d_slice, 0))
             sdS = cute.composition(sdSt, cute.make_layout((tile_m, tile_n, SD), stride=(tile_n, 1, tile_m * tile_n)))
 
             thr_g2s = g2s.get_slice(tidx)
@@ -355,24 +376,24 @@ class FlashBwdSm80(PackedEntry):
             tSsQ, tSrQ_v = t_ld_b.partition_S(sQ), t_ld_b.retile(tSrQ)
             tSsdO, tSrdO_v = t_ld_b.partition_S(sdO), t_ld_b.retile(tSrdO)
             # dV += P^T dO, dK += dS^T Q: B operands are dO^T and Q^T (D, m)
-            tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(sdOt[None, None, 0]))
-            tKrQt = thr_kv.make_fragment_B(thr_kv.partition_B(sQt[None, None, 0]))
-            tVsdOt, tVrdOt_v = t_ld_bt.partition_S(sdOt), t_ld_bt.retile(tVrdOt)
-            tKsQt, tKrQt_v = t_ld_bt.partition_S(sQt), t_ld_bt.retile(tKrQt)
+            tVrdOt = thr_kv.make_fragment_B(thr_kv.partition_B(sdOt_o[None, None, 0]))
+            tKrQt = thr_kv.make_fragment_B(thr_kv.partition_B(sQt_o[None, None, 0]))
+            tVsdOt, tVrdOt_v = t_ld_bt.partition_S(sdOt_o), t_ld_bt.retile(tVrdOt)
+            tKsQt, tKrQt_v = t_ld_bt.partition_S(sQt_o), t_ld_bt.retile(tKrQt)
             # dQ = dS K: A = dS (m, n) and B = K^T (D, n), both transposed views
             tQrdS = thr_q.make_fragment_A(thr_q.partition_A(sdS[None, None, 0]))
-            tQrKt = thr_q.make_fragment_B(thr_q.partition_B(sKt))
+            tQrKt = thr_q.make_fragment_B(thr_q.partition_B(sKt_o))
             t_ld_qa, t_ld_qb = ld_qa_t.get_slice(tidx), ld_qb_t.get_slice(tidx)
             tQsdS, tQrdS_v = t_ld_qa.partition_S(sdS), t_ld_qa.retile(tQrdS)
-            tQsKt, tQrKt_v = t_ld_qb.partition_S(sKt), t_ld_qb.retile(tQrKt)
+            tQsKt, tQrKt_v = t_ld_qb.partition_S(sKt_o), t_ld_qb.retile(tQrKt)
 
-            acc_dK = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, D)), Float32)
-            acc_dV = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, D)), Float32)
+            acc_dK = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, Do)), Float32)
+            acc_dV = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, Do)), Float32)
             acc_dK.fill(0.0)
             acc_dV.fill(0.0)
             # (key, query) coordinates of this thread's S^T elements; (query, d) of its dQ elements
             tScS_mn = acc_mn_view(thr_kv.partition_C(cute.make_identity_tensor((tile_n, tile_m))))
-            tQcdQ = thr_q.partition_C(cute.make_identity_tensor((tile_m, D)))
+            tQcdQ = thr_q.partition_C(cute.make_identity_tensor((tile_m, Do)))
             # dS^T to smem two elements (4 bytes) at a time: the accumulator pairs adjacent queries
             r2s = cute.make_tiled_copy_C(
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
@@ -473,7 +494,7 @@ class FlashBwdSm80(PackedEntry):
                 cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS[None, None, None, dstg])
                 bar.arrive_and_wait()  # B4: dS^T complete in smem
 
-                acc_dQ = cute.make_rmem_tensor(thr_q.partition_shape_C((tile_m, D)), Float32)
+                acc_dQ = cute.make_rmem_tensor(thr_q.partition_shape_C((tile_m, Do)), Float32)
                 acc_dQ.fill(0.0)
                 self.gemm_ss(mma_q, acc_dQ, ld_qa_t, ld_qb_t, tQsdS[None, None, None, dstg], tQrdS_v, tQsKt,
                              tQrKt_v, tQrdS, tQrKt)
@@ -507,7 +528,7 @@ class FlashBwdSm80(PackedEntry):
                                 cur = cute.arch.load((mSem.iterator + sem_idx).llvm_ptr, Int32, sem="acquire",
                                                      scope="gpu")
                         bar.arrive_and_wait()
-                    row_base = (q_start + m_block * tile_m) * heads_q * D + head * D
+                    row_base = (q_start + m_block * tile_m) * heads_q * D + head * D + d0
                     self.red_dq(mdQ, acc_dQ, tQcdQ, row_base, heads_q * D, seqlen_q - m_block * tile_m)
                     if cutlass.const_expr(self.deterministic):
                         cute.arch.fence_acq_rel_gpu()  # this thread's adds are visible before the release
@@ -527,14 +548,21 @@ class FlashBwdSm80(PackedEntry):
                 cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
                 mma_kv)
             thr_r2s_o = r2s_o.get_slice(tidx)
-            cute.copy(r2s_o, thr_r2s_o.retile(rdK), thr_r2s_o.partition_D(sK))
-            cute.copy(r2s_o, thr_r2s_o.retile(rdV), thr_r2s_o.partition_D(sV))
+            sK_o = cute.local_tile(sK, (tile_n, Do), (0, self.d_slice))
+            sV_o = cute.local_tile(sV, (tile_n, Do), (0, self.d_slice))
+            cute.copy(r2s_o, thr_r2s_o.retile(rdK), thr_r2s_o.partition_D(sK_o))
+            cute.copy(r2s_o, thr_r2s_o.retile(rdV), thr_r2s_o.partition_D(sV_o))
             bar.arrive_and_wait()
             thr_s2g = s2g.get_slice(tidx)
-            gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (tile_n, D), (n_block, 0))
-            gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (tile_n, D), (n_block, 0))
-            self.store_rows(s2g, thr_s2g.partition_S(sK), thr_s2g.partition_D(gdK), thr_s2g.partition_D(cK), seqlen_k)
-            self.store_rows(s2g, thr_s2g.partition_S(sV), thr_s2g.partition_D(gdV), thr_s2g.partition_D(cK), seqlen_k)
+            gdK = cute.local_tile(cute.domain_offset((k_start, 0), mdK[None, head_kv, None]), (tile_n, Do),
+                                  (n_block, self.d_slice))
+            gdV = cute.local_tile(cute.domain_offset((k_start, 0), mdV[None, head_kv, None]), (tile_n, Do),
+                                  (n_block, self.d_slice))
+            cK_o = cute.local_tile(cK, (tile_n, Do), (0, self.d_slice))
+            self.store_rows(s2g, thr_s2g.partition_S(sK_o), thr_s2g.partition_D(gdK), thr_s2g.partition_D(cK_o),
+                            seqlen_k)
+            self.store_rows(s2g, thr_s2g.partition_S(sV_o), thr_s2g.partition_D(gdV), thr_s2g.partition_D(cK_o),
+                            seqlen_k)
 
     # ------------------------------------------------------------------ helpers
     @cute.jit

@@ -56,11 +56,12 @@ def backward_reason(spec) -> Optional[str]:
     return None
 
 
-def compile_key(spec, arch: int) -> tuple:
+def compile_key(spec, arch: int, d_slice: int = 0) -> tuple:
+    """Key of the kernel computing D-slice ``d_slice`` of the tile's ``d_split`` (see bwd.py)."""
     has_left, has_right, _, _ = _window_bounds(spec)
     return ("bwd", str(spec.dtype), spec.head_dim, tile_for(spec), spec.mode == "varlen",
             has_left, has_right, bool(spec.deterministic), spec.softcap > 0, spec.num_key_ranges,
-            spec.has_block_sparse, _vector_reductions(arch), arch)
+            spec.has_block_sparse, _vector_reductions(arch), d_slice, arch)
 
 
 def _vector_reductions(arch: int) -> bool:
@@ -71,11 +72,11 @@ def _vector_reductions(arch: int) -> bool:
 
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
-    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, _arch = key
+    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, d_slice, _ = key
     cdt = _kernel_dtype(dt)
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
                         vec_red=vec_red, has_softcap=has_softcap, num_key_ranges=num_kr,
-                        block_sparse=block_sparse)
+                        block_sparse=block_sparse, d_slice=d_slice)
 
 
 def _ptr(dt, align):
@@ -197,9 +198,9 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
     pre(dev, out.data_ptr(), do.data_ptr(), lse.data_ptr(), lse2.data_ptr(), delta.data_ptr(),
         total_q * Hq, Hq, rows_per_b, lse_sh, lse_sb)
     n_mblocks = -(-spec.seqlen_q // cfg.tile_m)
-    sem = torch.zeros((spec.batch * Hq * n_mblocks if spec.deterministic else 1,), dtype=torch.int32,
-                      device=q.device)
-    fn = compile_kernel(compile_key(spec, arch), arch)
+    # deterministic: one semaphore per (batch, head, query block), for each D-slice's kernel
+    n_sem = spec.batch * Hq * n_mblocks if spec.deterministic else 1
+    sem = torch.zeros((n_sem * cfg.d_split,), dtype=torch.int32, device=q.device)
     _, _, wl, wr = _window_bounds(spec)
     cu_q = call.cu_seqlens_q.data_ptr() if varlen else sem.data_ptr()
     cu_k = call.cu_seqlens_k.data_ptr() if varlen else sem.data_ptr()
@@ -207,10 +208,13 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
     kr_ptr, (kr_sb, kr_sh) = _key_range_args(call, sem)
     csr_ptrs, csr_ints = _k2q_args(call, sem, cfg)
     softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
-    fn(dev, q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-       dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr(), cu_q, cu_k, kr_ptr, *csr_ptrs,
-       total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb, wl, wr,
-       n_mblocks, kr_sb, kr_sh, spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap), *csr_ints)
+    for d_slice in range(cfg.d_split):
+        fn = compile_kernel(compile_key(spec, arch, d_slice), arch)
+        fn(dev, q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+           dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr() + 4 * n_sem * d_slice, cu_q, cu_k,
+           kr_ptr, *csr_ptrs, total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb,
+           wl, wr, n_mblocks, kr_sb, kr_sh, spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap),
+           *csr_ints)
     # keep the buffers of the asynchronous launch alive until the caller's stream moves on
     call.extra["_sm120_bwd_keepalive"] = (lse2_delta, sem, q, k, v, do, out, lse)
     dq = dq_acc[:total_q].to(spec.dtype).view(q.shape)
