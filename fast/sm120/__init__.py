@@ -10,7 +10,7 @@ batched and varlen (cu_seqlens); fp16/bf16; head dims 32..256 in steps of 32 wit
 softcap; key ranges (R <= 4 per row); block-sparse CSR (block size a multiple of the kernel tile,
 see ``fwd.tile_config``); any sequence lengths; tensors under 2**31 elements.
 Training calls (needs_grad) go to ``fast-sm120-train`` (bwd.py, bwd_impl.py): the same forward plus an
-FA2 backward for head dims 32, 64, 96 and 128, dense/GQA, causal and windows, softcap, key ranges, block-sparse
+FA2 backward for head dims 32, 64, 96, 128, 192 and 256 (the last two split D), dense/GQA, causal and windows, softcap, key ranges, block-sparse
 CSR (k->q rows; deterministic dQ ordered by the CSR's rank lock values), batched and varlen, fp16/bf16,
 deterministic mode. ``impl.BACKWARD_ENABLED``
 switches it off.

@@ -12,6 +12,9 @@ block (causal/window bounds, inverted):
     -> dV += P^T dO, dK += dS^T Q (P^T / dS^T reused from the accumulator registers as A operand)
     -> dS^T to smem -> dQ[m] = dS K (ldmatrix.trans of both) -> fp32 atomics into the dQ accumulator
 
+Head dims past 128 split D (BwdTileConfig.d_split): the kernel of slice s keeps dK / dV and adds
+dQ for columns [s D / d_split, (s + 1) D / d_split) only; S^T and dP^T still contract over all of D.
+
 Loads overlap the math in one of two schedules (the tile config picks, see bwd_tile_config):
 * two stages: Q, dO, LSE2, delta of step m+1 are issued into the other stage at the top of step m,
   so they land during all of step m's math;
