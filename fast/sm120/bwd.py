@@ -74,7 +74,7 @@ class BwdTileConfig:
     num_threads: int
     dq_warps_m: int  # warp grid (dq_warps_m, warps / dq_warps_m) of the dQ = dS K product
     stages: int = 1  # smem stages of Q, dO, LSE2, delta: 2 loads the next query block during this one
-    ds_in_do: bool = False  # dS^T is written over the dO stage just consumed (needs tile_n == head_dim)
+    ds_in_do: bool = False  # dS^T is written over the dO stage just consumed (see the asserts in FlashBwdSm80)
     n_slowest: bool = False  # grid order: key blocks slowest (else fastest), see FlashBwdSm80.__call__
     d_split: int = 1  # D-slices of dK/dV/dQ, one kernel launch each (head dims past 128, see below)
 
@@ -98,12 +98,13 @@ class BwdTileConfig:
 #   hd 128: 32 key rows per warp would need 256 dK/dV registers, so 16; K + V take 64 KB;
 #           64 x 128 single-buffered with dS^T written over the dO tile once dK is done (96 KB):
 #           the next Q loads while dS^T is stored and dQ runs, the next dO during the dQ atomics.
-#           H100 (2026-11-24, after the launch, LSE-load and dO-schedule fixes): 0.85-0.98x FA2;
+#           H100 (2026-11-24, after the launch, LSE-load and dO-schedule fixes): 0.85-1.00x FA2;
 #           32 x 128 double-buffered (also 96 KB, no spill): 0.78-0.99x.
 #   hd 32 : 64 x 256, 8 warps of 32 key rows, double-buffered: 80 KB (dQ warp grid 4 x 2, as
 #           D = 32 holds only two 16-column warps).
-#   hd 96 : 64 x 128 single-buffered with its own dS^T tile (88 KB; dS^T over dO needs
-#           tile_n == D, and 96-key tiles would not divide 128-key CSR blocks), dQ warp grid 4 x 2.
+#   hd 96 : 64 x 128 single-buffered with its own dS^T tile (88 KB; a 128 x 64 dS^T does not fit
+#           the 64 x 96 dO tile, and 96-key tiles would not divide 128-key CSR blocks), dQ warp
+#           grid 4 x 2.
 #   Not measured against FA2 (hd 32 / 96 are not in the benchmark matrix): tested for accuracy.
 # Grid order (n_slowest): with key blocks slowest the longest causal CTAs start first and the CTAs
 # running together belong to different heads (their dQ atomics spread out); with key blocks
@@ -112,7 +113,7 @@ class BwdTileConfig:
 # key blocks slowest (H100, one run, causal 4k-16k: 0.87-0.94x FA2 against 0.85-0.89x; without a
 # band key blocks slowest lost at 1k and 16k: 0.86 / 0.80 against 1.02 / 0.86).
 # DUALATTN_SM120_BWD_TILES="128:64,128,256,2,1,1,0;64:..." overrides entries by head dim (tuning):
-# tile_m, tile_n, threads, dq_warps_m, stages, ds_in_do[, n_slowest].
+# tile_m, tile_n, threads, dq_warps_m, stages, ds_in_do[, n_slowest[, d_split]].
 def bwd_tile_config(head_dim: int, block_n: int = 0, banded: bool = False) -> BwdTileConfig:
     """The tile of ``head_dim``; ``block_n`` > 0 is the key-block width of a block-sparse CSR, which
     the key tile must divide (hd64's 256-key tile gives way to 128 keys with 4 warps: 0.81-1.00x FA2);

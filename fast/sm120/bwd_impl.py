@@ -18,6 +18,7 @@ from dualattn.fast.common.compile_cache import CompileCache, arch_string
 from dualattn.fast.common.launch_args import PackedLaunch, schema_like
 
 from .bwd import SMEM_LIMIT_SM120, SUPPORTED_HEAD_DIMS, FlashBwdPreprocess, FlashBwdSm80, bwd_tile_config
+from .impl import _cutlass_dtype
 
 _cache = CompileCache()
 LOG2_E = math.log2(math.e)
@@ -73,7 +74,7 @@ def _vector_reductions(arch: int) -> bool:
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
     _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, d_slice, _ = key
-    cdt = _kernel_dtype(dt)
+    cdt = _cutlass_dtype(dt)
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
                         vec_red=vec_red, has_softcap=has_softcap, num_key_ranges=num_kr,
                         block_sparse=block_sparse, d_slice=d_slice)
@@ -121,7 +122,7 @@ def _launcher(key: tuple, arch: int, compile_fn, prototypes) -> PackedLaunch:
     hit = _launches.get(key)
     if hit is None:
         fn = _cache.get(key, lambda: compile_fn(key, arch)[0])
-        hit = _launches[key] = PackedLaunch(fn, schema_like(prototypes(_kernel_dtype(key[1]))))
+        hit = _launches[key] = PackedLaunch(fn, schema_like(prototypes(_cutlass_dtype(key[1]))))
     return hit
 
 
@@ -136,13 +137,8 @@ def preprocess_key(spec, arch: int) -> tuple:
 def compile_preprocess_uncached(key: tuple, arch: int, extra_options: str = ""):
     """Compile the delta / LSE2 preprocess kernel for ``key``; returns (fn, kernel object)."""
     _, dt, d, _arch = key
-    kern = FlashBwdPreprocess(_kernel_dtype(dt), d)
+    kern = FlashBwdPreprocess(_cutlass_dtype(dt), d)
     return _compile_packed(kern, preprocess_prototypes(kern.dtype), arch, extra_options), kern
-
-
-def _kernel_dtype(dt: str):
-    import cutlass
-    return {"torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
 
 
 def compile_cache() -> CompileCache:

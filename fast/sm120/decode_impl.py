@@ -40,8 +40,7 @@ def compile_key(spec, arch: int) -> tuple:
 
 def build_kernel(key: tuple) -> FlashDecodeSm80:
     _, dt, d, _dv, cfg, paged, has_left, has_right, has_softcap, _arch = key
-    torch_dt = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16}[dt]
-    return FlashDecodeSm80(_cutlass_dtype(torch_dt), d, cfg, paged=paged, has_left=has_left,
+    return FlashDecodeSm80(_cutlass_dtype(dt), d, cfg, paged=paged, has_left=has_left,
                            has_right=has_right, has_softcap=has_softcap)
 
 

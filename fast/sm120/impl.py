@@ -35,9 +35,11 @@ def window_bounds(spec) -> Tuple[bool, bool, int, int]:
     return wl >= 0, wr >= 0, max(wl, 0), max(wr, 0)
 
 
-def _cutlass_dtype(dt: torch.dtype):
+def _cutlass_dtype(dt):
+    """The DSL type of a torch dtype, or of its str() as compile keys hold it."""
     import cutlass
-    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}[dt]
+    return {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16,
+            "torch.float16": cutlass.Float16, "torch.bfloat16": cutlass.BFloat16}[dt]
 
 
 def compile_key(spec, arch: int) -> tuple:
@@ -50,8 +52,7 @@ def compile_key(spec, arch: int) -> tuple:
 
 def build_kernel(key: tuple) -> FlashFwdSm80:
     _, dt, d, _dv, cfg, varlen, has_left, has_right, has_softcap, block_sparse, num_kr, _arch = key
-    torch_dt = {"torch.float16": torch.float16, "torch.bfloat16": torch.bfloat16}[dt]
-    return FlashFwdSm80(_cutlass_dtype(torch_dt), d, cfg, varlen=varlen, has_left=has_left,
+    return FlashFwdSm80(_cutlass_dtype(dt), d, cfg, varlen=varlen, has_left=has_left,
                         has_right=has_right, has_softcap=has_softcap, block_sparse=block_sparse,
                         num_key_ranges=num_kr)
 
