@@ -770,7 +770,8 @@ class FlashBwdSm80(PackedEntry):
 
 
 class FlashBwdPreprocess(PackedEntry):
-    """delta = rowsum(dO * O) in fp32 and LSE2 = LSE * log2(e) (+inf where LSE is -inf), one pass.
+    """delta = rowsum(dO * O) in fp32 and LSE2 = LSE * log2(e) (+inf where LSE is -inf), one pass,
+    which also zeroes the fp32 dQ accumulator (the same rows: one launch less than a separate fill).
 
     Rows are (token, head) pairs of the (total_q, heads, D) tensors; D / 8 threads share a row
     (16-byte loads), reduce by butterfly shuffles, and one of them writes both values in the LSE
@@ -793,23 +794,28 @@ class FlashBwdPreprocess(PackedEntry):
 
     @cute.jit
     def __call__(self, pO: cute.Pointer, pdO: cute.Pointer, pLSE: cute.Pointer, pLSE2: cute.Pointer,
-                 pDelta: cute.Pointer, n_rows: Int32, heads: Int32, seqlen_q: Int32, lse_stride_h: Int32,
-                 lse_stride_b: Int32, stream):
+                 pDelta: cute.Pointer, pdQacc: cute.Pointer, n_rows: Int32, heads: Int32, seqlen_q: Int32,
+                 lse_stride_h: Int32, lse_stride_b: Int32, stream):
         D = self.head_dim
         mO = cute.make_tensor(pO, cute.make_layout((n_rows, D), stride=(D, 1)))
         mdO = cute.make_tensor(pdO, cute.make_layout((n_rows, D), stride=(D, 1)))
+        mdQacc = cute.make_tensor(pdQacc, cute.make_layout((n_rows, D), stride=(D, 1)))
         flat = cute.make_layout(1 << 30)
         copy = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
             cute.make_layout((self.rows, self.thr_cols), stride=(self.thr_cols, 1)), cute.make_layout((1, self.vec)))
+        # the dQ accumulator's rows: the same thread -> (row, vector) mapping, vec fp32 per thread
+        zero = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
+            cute.make_layout((self.rows, self.thr_cols), stride=(self.thr_cols, 1)), cute.make_layout((1, self.vec)))
         self.kernel(mO, mdO, cute.make_tensor(pLSE, flat), cute.make_tensor(pLSE2, flat), cute.make_tensor(pDelta, flat),
-                    n_rows, heads, seqlen_q, lse_stride_h, lse_stride_b, copy).launch(
+                    mdQacc, n_rows, heads, seqlen_q, lse_stride_h, lse_stride_b, copy, zero).launch(
             grid=(cute.ceil_div(n_rows, self.rows), 1, 1), block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor, mDelta: cute.Tensor,
-               n_rows: Int32, heads: Int32, seqlen_q: Int32, lse_stride_h: Int32, lse_stride_b: Int32,
-               copy: cute.TiledCopy):
+               mdQacc: cute.Tensor, n_rows: Int32, heads: Int32, seqlen_q: Int32, lse_stride_h: Int32,
+               lse_stride_b: Int32, copy: cute.TiledCopy, zero: cute.TiledCopy):
         D = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
@@ -826,6 +832,10 @@ class FlashBwdPreprocess(PackedEntry):
             cute.copy(copy, tOgdO, rdO)
             prod = rO.load().to(Float32) * rdO.load().to(Float32)
             acc = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+            tZgdQ = zero.get_slice(tidx).partition_D(cute.local_tile(mdQacc, (self.rows, D), (bid, 0)))
+            rZ = cute.make_fragment_like(tZgdQ, Float32)
+            rZ.fill(0.0)
+            cute.copy(zero, rZ, tZgdQ)
         for k in cutlass.range_constexpr(self.thr_cols.bit_length() - 1):  # log2(thr_cols) butterflies
             acc = acc + cute.arch.shuffle_sync_bfly(acc, offset=self.thr_cols >> (k + 1))
         if tidx % self.thr_cols == 0 and row < n_rows:

@@ -96,10 +96,10 @@ def compile_prototypes(kernel_dtype) -> list:
 
 
 def preprocess_prototypes(kernel_dtype) -> list:
-    """Stand-ins of FlashBwdPreprocess.__call__'s arguments: O, dO, LSE, LSE2, delta pointers, then
-    n_rows, heads, seqlen_q, LSE strides."""
+    """Stand-ins of FlashBwdPreprocess.__call__'s arguments: O, dO, LSE, LSE2, delta, dQ accumulator
+    pointers, then n_rows, heads, seqlen_q, LSE strides."""
     from cutlass import Float32, Int32
-    return [_ptr(kernel_dtype, 16)] * 2 + [_ptr(Float32, 4)] * 3 + [Int32(1)] * 5
+    return [_ptr(kernel_dtype, 16)] * 2 + [_ptr(Float32, 4)] * 3 + [_ptr(Float32, 16)] + [Int32(1)] * 5
 
 
 def _compile_packed(kern, prototypes, arch: int, extra_options: str):
@@ -162,6 +162,36 @@ def _k2q_args(call, dummy: torch.Tensor, cfg):
                                                  *bh_strides(fr), *bh_strides(fc), *bh_strides(mr), *bh_strides(mc))
 
 
+class _Plan:
+    """What a backward call of one spec needs besides its tensors, built once per (spec, arch): the
+    tile, the launchers (preprocess, one kernel per D-slice) and the scalar arguments."""
+    __slots__ = ("cfg", "pre", "kernels", "n_mblocks", "n_sem", "scalars")
+
+    def __init__(self, spec, arch: int):
+        self.cfg = cfg = tile_for(spec)
+        self.pre = _launcher(preprocess_key(spec, arch), arch, compile_preprocess_uncached, preprocess_prototypes)
+        self.kernels = [compile_kernel(compile_key(spec, arch, s), arch) for s in range(cfg.d_split)]
+        self.n_mblocks = -(-spec.seqlen_q // cfg.tile_m)
+        # deterministic: one semaphore per (batch, head, query block), for each D-slice's kernel
+        self.n_sem = spec.batch * spec.num_heads_q * self.n_mblocks if spec.deterministic else 0
+        _, _, wl, wr = _window_bounds(spec)
+        softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
+        self.scalars = (wl, wr, self.n_mblocks)
+        self.scalars_f = (spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap))
+
+
+_plans = {}
+
+
+def _plan(spec, arch: int) -> _Plan:
+    hit = _plans.get((spec, arch))
+    if hit is None:
+        if len(_plans) > 4096:  # specs carry shapes: keep the memo bounded
+            _plans.clear()
+        hit = _plans[(spec, arch)] = _Plan(spec, arch)
+    return hit
+
+
 def run_backward(call, out, lse, dout, arch: int, aligned):
     """(dq, dk, dv) for a call whose forward produced (out, lse)."""
     spec = call.spec
@@ -169,7 +199,6 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
     q, k, v, do = (aligned(t) for t in (call.q, call.k, call.v, dout))
     out = aligned(out)
     Hq, Hkv, D = spec.num_heads_q, spec.num_heads_kv, spec.head_dim
-    cfg = tile_for(spec)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     if varlen:
@@ -179,41 +208,40 @@ def run_backward(call, out, lse, dout, arch: int, aligned):
         B, Sq, Sk = spec.batch, spec.seqlen_q, spec.seqlen_k
         total_q, total_k = B * Sq, B * Sk
         lse_sh, lse_sb, rows_per_b = Sq, Hq * Sq, max(Sq, 1)
-    lse = lse.contiguous()
-    # LSE2 and delta in one buffer (one allocation)
-    lse2_delta = torch.empty((2,) + lse.shape, dtype=torch.float32, device=q.device)
-    lse2, delta = lse2_delta[0], lse2_delta[1]
-    dq_acc = torch.zeros((max(total_q, 1), Hq, D), dtype=torch.float32, device=q.device)
     if total_q == 0 or total_k == 0 or spec.batch == 0:
         dk.zero_()
         dv.zero_()
         return torch.zeros_like(q), dk, dv
+    plan = _plan(spec, arch)
+    cfg = plan.cfg
+    lse = lse.contiguous()
+    # LSE2 and delta in one buffer (one allocation); the preprocess zeroes the dQ accumulator
+    lse2_delta = torch.empty((2,) + lse.shape, dtype=torch.float32, device=q.device)
+    lse2, delta = lse2_delta[0], lse2_delta[1]
+    dq_acc = torch.empty((total_q, Hq, D), dtype=torch.float32, device=q.device)
     dev = q.device
-    pkey = preprocess_key(spec, arch)
-    pre = _launcher(pkey, arch, compile_preprocess_uncached, preprocess_prototypes)
-    pre(dev, out.data_ptr(), do.data_ptr(), lse.data_ptr(), lse2.data_ptr(), delta.data_ptr(),
-        total_q * Hq, Hq, rows_per_b, lse_sh, lse_sb)
-    n_mblocks = -(-spec.seqlen_q // cfg.tile_m)
-    # deterministic: one semaphore per (batch, head, query block), for each D-slice's kernel
-    n_sem = spec.batch * Hq * n_mblocks if spec.deterministic else 1
-    sem = torch.zeros((n_sem * cfg.d_split,), dtype=torch.int32, device=q.device)
-    _, _, wl, wr = _window_bounds(spec)
-    cu_q = call.cu_seqlens_q.data_ptr() if varlen else sem.data_ptr()
-    cu_k = call.cu_seqlens_k.data_ptr() if varlen else sem.data_ptr()
+    plan.pre(dev, out.data_ptr(), do.data_ptr(), lse.data_ptr(), lse2.data_ptr(), delta.data_ptr(),
+             dq_acc.data_ptr(), total_q * Hq, Hq, rows_per_b, lse_sh, lse_sb)
+    n_sem = plan.n_sem
+    # the semaphores (deterministic only); otherwise a placeholder pointer the kernel never reads,
+    # like those of the features a call does not have
+    sem = torch.zeros((n_sem * cfg.d_split,), dtype=torch.int32, device=q.device) if n_sem else None
+    dummy = sem if n_sem else lse2_delta
+    cu_q = call.cu_seqlens_q.data_ptr() if varlen else dummy.data_ptr()
+    cu_k = call.cu_seqlens_k.data_ptr() if varlen else dummy.data_ptr()
     from .impl import _key_range_args
-    kr_ptr, (kr_sb, kr_sh) = _key_range_args(call, sem)
-    csr_ptrs, csr_ints = _k2q_args(call, sem, cfg)
-    softcap_scale = spec.scale / spec.softcap if spec.softcap > 0 else 0.0
-    for d_slice in range(cfg.d_split):
-        fn = compile_kernel(compile_key(spec, arch, d_slice), arch)
+    kr_ptr, (kr_sb, kr_sh) = _key_range_args(call, dummy)
+    csr_ptrs, csr_ints = _k2q_args(call, dummy, cfg)
+    wl, wr, n_mblocks = plan.scalars
+    for d_slice, fn in enumerate(plan.kernels):
+        sem_ptr = sem.data_ptr() + 4 * n_sem * d_slice if n_sem else dummy.data_ptr()
         fn(dev, q.data_ptr(), k.data_ptr(), v.data_ptr(), do.data_ptr(), dk.data_ptr(), dv.data_ptr(),
-           dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem.data_ptr() + 4 * n_sem * d_slice, cu_q, cu_k,
+           dq_acc.data_ptr(), lse2.data_ptr(), delta.data_ptr(), sem_ptr, cu_q, cu_k,
            kr_ptr, *csr_ptrs, total_q, total_k, spec.seqlen_q, spec.seqlen_k, spec.batch, Hq, Hkv, lse_sh, lse_sb,
-           wl, wr, n_mblocks, kr_sb, kr_sh, spec.scale * LOG2_E, spec.scale, softcap_scale, float(spec.softcap),
-           *csr_ints)
+           wl, wr, n_mblocks, kr_sb, kr_sh, *plan.scalars_f, *csr_ints)
     # keep the buffers of the asynchronous launch alive until the caller's stream moves on
-    call.extra["_sm120_bwd_keepalive"] = (lse2_delta, sem, q, k, v, do, out, lse)
-    dq = dq_acc[:total_q].to(spec.dtype).view(q.shape)
+    call.extra["_sm120_bwd_keepalive"] = (lse2_delta, sem, q, k, v, do, out, lse, dq_acc)
+    dq = dq_acc.to(spec.dtype).view(q.shape)
     return dq, dk, dv
 
 

@@ -620,12 +620,17 @@ class FlashFwdSm90:
             # blocks that need the element mask: the sequence tail and, for causal / a right
             # window bound, the diagonal (visited first); with a left bound also the blocks that
             # cross the window's lower edge (visited last). The ones in between run unmasked.
-            n_masked = 1
+            # The tail block needs the mask only when it runs past seqlen_k: with seqlen_k a
+            # multiple of the key tile every block of a non-causal tile runs unmasked (at 1k,
+            # hd128, the masked first block was one of a tile's 8)
+            n_masked = Int32(0)
+            if n_block_max * BN > seqlen_k:
+                n_masked = Int32(1)
             if const_expr(self.mask_right):
                 # blocks left of the one holding key (first row's last visible key + 1) are full
                 first_row_limit = m_block * BM + seqlen_k - seqlen_q + win_right + 1
                 n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
-                n_masked = cutlass.max(n_block_max - n_block_unmasked_end, 1)
+                n_masked = cutlass.max(n_block_max - n_block_unmasked_end, n_masked)
             n_masked = cutlass.min(n_masked, n_blocks)
             n_masked_left = Int32(0)
             if const_expr(self.mask_left):
@@ -686,17 +691,27 @@ class FlashFwdSm90:
                 # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
                 # together while the softmax of S_{j+1} runs on the CUDA cores
                 if n_blocks > 0:
-                    self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP)
-                    for i in cutlass.range(n_masked - 1, unroll=1):
+                    # the first block (n_block_max - 1) is taken from the group it belongs to:
+                    # the right-masked ones, else the unmasked ones, else the left-masked ones
+                    n_right, n_unmasked, n_left = n_masked, n_blocks - n_masked - n_masked_left, n_masked_left
+                    first_masked = n_right > 0 or n_unmasked == 0
+                    if n_right > 0:
+                        n_right = n_right - 1
+                    elif n_unmasked > 0:
+                        n_unmasked = n_unmasked - 1
+                    else:
+                        n_left = n_left - 1
+                    self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked)
+                    for i in cutlass.range(n_right, unroll=1):
                         kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
                                                          tOrP)
-                    for i in cutlass.range(n_blocks - n_masked - n_masked_left, unroll=1):
+                    for i in cutlass.range(n_unmasked, unroll=1):
                         kv_state = self.overlapped_block(
-                            ctx, False, n_block_max - n_masked - 1 - i, kv_state, tOrP)
+                            ctx, False, n_block_max - 2 - n_right - i, kv_state, tOrP)
                     if const_expr(self.mask_left):
-                        for i in cutlass.range(n_masked_left, unroll=1):
+                        for i in cutlass.range(n_left, unroll=1):
                             kv_state = self.overlapped_block(
-                                ctx, True, n_block_min + n_masked_left - 1 - i, kv_state, tOrP)
+                                ctx, True, n_block_min + n_left - 1 - i, kv_state, tOrP)
                     kv_state = self.last_half_block(ctx, kv_state, tOrP)
 
             if const_expr(self.separate_o):
@@ -1015,8 +1030,9 @@ class FlashFwdSm90:
     @cute.jit
     def first_half_block(self, ctx, n_block, kv_state, tOrP, masked=True,
                          csr_mask_entry=True):
-        """S, mask and softmax of the first block (dense: always masked); its P V runs in the
-        next step."""
+        """S, mask and softmax of the first block (``masked``: a Python bool, or a run-time
+        Boolean for dense tiles, which mask it only when it holds the key tail or a mask
+        boundary); its P V runs in the next step."""
         ctx.pipe_k.consumer_wait(kv_state)
         acc_S = self.qk(ctx, kv_state)
         warpgroup.wait_group(0)
