@@ -165,7 +165,7 @@ def _k2q_args(call, dummy: torch.Tensor, cfg):
 class _Plan:
     """What a backward call of one spec needs besides its tensors, built once per (spec, arch): the
     tile, the launchers (preprocess, one kernel per D-slice) and the scalar arguments."""
-    __slots__ = ("cfg", "pre", "kernels", "n_mblocks", "n_sem", "scalars")
+    __slots__ = ("cfg", "pre", "kernels", "n_mblocks", "n_sem", "scalars", "scalars_f")
 
     def __init__(self, spec, arch: int):
         self.cfg = cfg = tile_for(spec)
