@@ -448,10 +448,10 @@ def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
 @pytest.mark.timeout(300)
 def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
-    32 / 160 per producer / consumer thread, the epilogue barrier over 384 threads); causal keeps
-    2 warpgroups with ping-pong."""
+    32 / 160 per producer / consumer thread, the epilogue barrier over 384 threads, the GEMM
+    issue ordered in a ring of three named barriers); causal keeps 2 warpgroups with ping-pong."""
     spec = _spec(64, False)
-    assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is False
+    assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True
     assert FastSm90Forward.config(_spec(64, True))[0] == 128
     # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile
     assert FastSm90Forward.config(_spec(64, True))[5] is True
@@ -462,4 +462,6 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+32\b", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160\b", ptx)
     assert re.search(r"bar\.sync\s+1,\s*384;", ptx)
+    # the ring: each warpgroup waits on its own barrier (2, 3, 4) and arrives on the next one's
+    assert re.search(r"bar\.sync\s+%r\d+,\s*256;", ptx) and re.search(r"bar\.arrive\s+%r\d+,\s*256;", ptx)
     assert _loops_with(ptx, "wgmma.mma_async") >= 1

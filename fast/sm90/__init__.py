@@ -191,12 +191,11 @@ class FastSm90Forward:
         if len(override) > 3:
             pingpong = bool(override[3])
         # consumer warpgroups (64 query rows each); 3 needs no block-sparse CSR (whose query
-        # blocks are multiples of the 128-row tile) and no ping-pong
+        # blocks are multiples of the 128-row tile). With 3 the ping-pong is a round robin of
+        # the three warpgroups' GEMM issue (FA4 orders its 3 warpgroups the same way at D <= 128)
         wgs = 3 if _three_warpgroups(spec) else 2
         if len(override) > 4 and not spec.has_block_sparse:
             wgs = override[4]
-        if wgs != 2:
-            pingpong = False
         return 64 * wgs, tile_n, stages, pingpong, True, persistent, separate_o
 
     @staticmethod

@@ -62,7 +62,7 @@ LN_2 = math.log(2.0)
 
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1     # the consumer threads, around the O staging in shared memory
-_BAR_WG_SCHED = 2     # 2 and 3: ping-pong order of the two consumer warpgroups
+_BAR_WG_SCHED = 2     # 2, 3 (, 4): round-robin order of the consumer warpgroups' GEMM issue
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -140,10 +140,10 @@ class FlashFwdSm90:
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
                  num_mma_wg: int = 2):
         self.dtype = dtype
-        # consumer warpgroups, 64 query rows each: 2 (tile_m 128, ping-pong possible) or 3
-        # (tile_m 192: more rows per K/V tile loaded, for small head dims where the loads and the
-        # per-tile overheads weigh most; no ping-pong, whose schedule pairs two warpgroups)
-        assert num_mma_wg in self.REGS and not (pingpong and num_mma_wg != 2)
+        # consumer warpgroups, 64 query rows each: 2 (tile_m 128) or 3 (tile_m 192: more rows
+        # per K/V tile loaded, for small head dims where the loads and the per-tile overheads weigh
+        # most). Ping-pong generalises to a round robin: warpgroup w issues its GEMMs after w - 1
+        assert num_mma_wg in self.REGS
         self.num_mma_wg = num_mma_wg
         self.tile_m = 64 * num_mma_wg
         self.num_producer_regs, self.num_mma_regs = self.REGS[num_mma_wg]
@@ -979,14 +979,16 @@ class FlashFwdSm90:
 
     @cute.jit
     def sched_sync(self, ctx):
-        """Ping-pong: wait until the other warpgroup has issued its GEMMs."""
+        """Ping-pong (round robin): wait until the previous warpgroup has issued its GEMMs.
+        Barrier _BAR_WG_SCHED + w counts warpgroup w's sync and its predecessor's arrive."""
         if const_expr(self.pingpong):
             cute.arch.barrier(barrier_id=_BAR_WG_SCHED + ctx.wg, number_of_threads=256)
 
     @cute.jit
     def sched_arrive(self, ctx):
         if const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED + 1 - ctx.wg, number_of_threads=256)
+            nxt = (ctx.wg + 1) % self.num_mma_wg  # the next warpgroup in the ring
+            cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED + nxt, number_of_threads=256)
 
     @cute.jit
     def qk(self, ctx, kv_state):
