@@ -456,6 +456,9 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile
     assert FastSm90Forward.config(_spec(64, True))[5] is True
     assert FastSm90Forward.config(_spec(128, True))[5] is False
+    # causal from 16k queries: 3 warpgroups too, one CTA per tile
+    long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
+    assert long_causal[0] == 192 and long_causal[3] is True and long_causal[5] is False
     assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert ".reqntid 512, 1, 1" in ptx

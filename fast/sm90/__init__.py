@@ -84,9 +84,14 @@ def _three_warpgroups(spec) -> bool:
     1k 335 -> 324, 2k 368 -> 422, 4k 428 -> 475, 8k 442 -> 535, 16k 461 -> 522 (FA4 364-585,
     cuDNN 366-487): more query rows per K/V tile loaded, where hd64's short GEMMs leave the loads
     and per-block overheads exposed. Causal hd64 lost at 1k-4k (201 -> 137-182 TFLOP/s at 1k;
-    192-row tiles straddle the diagonal longer), so causal, windows, key ranges and block-sparse
-    keep 2."""
-    return _plain_hd64(spec) and not spec.causal
+    192-row tiles straddle the diagonal longer), so causal below 16k queries, windows, key ranges
+    and block-sparse keep 2. With the round-robin GEMM order (2026-11-24, H100, one lease, causal,
+    2 -> 3 warpgroups, TFLOP/s): 1k 236 -> 157, 2k 312 -> 262, 4k 401 -> 351, 8k 446 -> 447-450,
+    16k 441-480 -> 505 (persistent) / 517 (one CTA per tile, which causal 3-warpgroup calls run)."""
+    return _plain_hd64(spec) and (not spec.causal or spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN)
+
+
+CAUSAL_3WG_MIN_SEQLEN = 16384
 
 
 def _sparse_tile_n(head_dim: int, block_n: int, head_dim_v: Optional[int] = None) -> Optional[int]:
@@ -181,7 +186,8 @@ class FastSm90Forward:
         # tile's epilogue with the next one's loads wins (H100, 1k-16k causal, TFLOP/s: 196 /
         # 291 / 368 / 406 / 445 per-tile grid -> 237 / 321 / 391 / 439 / 465 persistent; hd128
         # lost with it: 2k 450 -> 168, 16k 647 -> 554)
-        persistent = (not (spec.causal or spec.has_key_ranges or spec.has_block_sparse) or _plain_hd64(spec)) \
+        persistent = (not (spec.causal or spec.has_key_ranges or spec.has_block_sparse)
+                      or (_plain_hd64(spec) and not _three_warpgroups(spec))) \
             if _PERSISTENT_ENV == "" else _PERSISTENT_ENV != "0"
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
         pingpong = spec.head_dim <= 128
