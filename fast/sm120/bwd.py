@@ -169,7 +169,7 @@ class FlashBwdSm80(PackedEntry):
 
     def __init__(self, dtype, head_dim: int, cfg: BwdTileConfig, *, varlen: bool, has_left: bool,
                  has_right: bool, deterministic: bool, vec_red: bool = False, has_softcap: bool = False,
-                 num_key_ranges: int = 0, block_sparse: bool = False, d_slice: int = 0):
+                 num_key_ranges: int = 0, block_sparse: bool = False, d_slice: int = 0, rotate_m: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         # the columns of dK, dV and dQ this kernel computes: slice d_slice of cfg.d_split
@@ -189,6 +189,11 @@ class FlashBwdSm80(PackedEntry):
         self.has_softcap = has_softcap
         self.num_key_ranges = num_key_ranges  # R of key_ranges (static: a column's intervals live in registers)
         self.block_sparse = block_sparse  # visit the k->q CSR row of the key block instead of a range
+        # rotate_m: each key block walks its query tiles starting at its own offset (n_block mod the
+        # count), so the CTAs running together add into different dQ tiles instead of all into the
+        # same one at once. Not with a CSR (its own order) nor deterministic mode (whose semaphore
+        # order has every key block add in ascending order: rotation would serialise them)
+        self.rotate_m = rotate_m and not block_sparse and not deterministic
         warps = self.num_threads // 32
         # each warp owns tile_n / warps key rows (16 or 32): its rows of S^T, dP^T, dK, dV
         assert self.tile_n % (16 * warps) == 0 and self.tile_n // warps in (16, 32)
@@ -317,6 +322,8 @@ class FlashBwdSm80(PackedEntry):
             n_m = cutlass.max(m_hi - m_lo, 0)
             n_iters = n_m * group
             kb = n_block // bs_ratio_n  # the CSR key block holding this key tile
+            # rotate_m: this key block starts its walk over the query blocks at its own offset
+            m_rot = n_block % cutlass.max(n_m, 1)
             vis = (n_m, m_lo, head_kv * group, group, batch, kb, mFR, mFC, mMR, mMC, mFL, mML, bs_ratio_m,
                    f_rp_sb, f_rp_sh, f_col_sb, f_col_sh, m_rp_sb, m_rp_sh, m_col_sb, m_col_sh)
             if cutlass.const_expr(self.block_sparse):
@@ -411,12 +418,12 @@ class FlashBwdSm80(PackedEntry):
             self.load_rows(g2s, thr_g2s.partition_S(gK), tKsK, tKcK, seqlen_k)
             self.load_rows(g2s, thr_g2s.partition_S(gV), tVsV, tKcK, seqlen_k)
             if n_iters > 0:
-                h0, mb0, _, _ = self.step_at(Int32(0), *vis)
+                h0, mb0, _, _ = self.step_at(Int32(0), *vis, m_rot)
                 self.load_q_step(*qargs, mb0, h0, Int32(0), True, True)
             cute.arch.cp_async_commit_group()
 
             for it in cutlass.range(n_iters, unroll=1):
-                head, m_block, is_mask_entry, lock = self.step_at(it, *vis)
+                head, m_block, is_mask_entry, lock = self.step_at(it, *vis, m_rot)
                 stg = Int32(0)
                 if cutlass.const_expr(two_stage):
                     stg = it % 2
@@ -429,7 +436,7 @@ class FlashBwdSm80(PackedEntry):
                 bar.arrive_and_wait()
                 if cutlass.const_expr(two_stage):
                     if it + 1 < n_iters:
-                        h1, mb1, _, _ = self.step_at(it + 1, *vis)
+                        h1, mb1, _, _ = self.step_at(it + 1, *vis, m_rot)
                         self.load_q_step(*qargs, mb1, h1, 1 - stg, True, True)
                     cute.arch.cp_async_commit_group()
 
@@ -492,7 +499,7 @@ class FlashBwdSm80(PackedEntry):
                     bar.arrive_and_wait()  # B3: every warp is done with Q, dO, LSE, delta of this step
                 if cutlass.const_expr(not two_stage):
                     if it + 1 < n_iters:  # the next Q (+ dO) loads while dS^T is stored and dQ runs
-                        h1, mb1, _, _ = self.step_at(it + 1, *vis)
+                        h1, mb1, _, _ = self.step_at(it + 1, *vis, m_rot)
                         self.load_q_step(*qargs, mb1, h1, Int32(0), True, not do_after_dq)
                     cute.arch.cp_async_commit_group()
                 cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS[None, None, None, dstg])
@@ -507,7 +514,7 @@ class FlashBwdSm80(PackedEntry):
                     # which then loads during this step's atomics (and lands with the next Q)
                     bar.arrive_and_wait()
                     if it + 1 < n_iters:
-                        h1, mb1, _, _ = self.step_at(it + 1, *vis)
+                        h1, mb1, _, _ = self.step_at(it + 1, *vis, m_rot)
                         self.load_q_step(*qargs, mb1, h1, Int32(0), False, True)
                     cute.arch.cp_async_commit_group()
 
@@ -605,7 +612,8 @@ class FlashBwdSm80(PackedEntry):
     def step_at(self, it: Int32, n_m: Int32, m_lo: Int32, head0: Int32, group: Int32, batch: Int32, kb: Int32,
                 mFR: cute.Tensor, mFC: cute.Tensor, mMR: cute.Tensor, mMC: cute.Tensor, mFL: cute.Tensor,
                 mML: cute.Tensor, ratio_m: Int32, f_rp_sb: Int32, f_rp_sh: Int32, f_col_sb: Int32,
-                f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32):
+                f_col_sh: Int32, m_rp_sb: Int32, m_rp_sh: Int32, m_col_sb: Int32, m_col_sh: Int32,
+                m_rot: Int32):
         """(query head, query tile, element predicate applies?, CSR lock value) of visit ``it``.
 
         Dense: heads outermost, then the query tiles m_lo.. of the key block's range. Block-sparse:
@@ -613,7 +621,13 @@ class FlashBwdSm80(PackedEntry):
         query block of ratio_m tiles. With a per-head CSR the heads' visit counts differ, so the
         head is found by walking the group (a CSR broadcast over heads divides instead)."""
         g = it // cutlass.max(n_m, 1)
-        m_block = m_lo + it - g * n_m
+        r = it - g * n_m
+        if cutlass.const_expr(self.rotate_m):
+            # the query tiles in the order m_rot, m_rot + 1, .., n_m - 1, 0, .., m_rot - 1
+            r = r + m_rot
+            if r >= n_m:
+                r = r - n_m
+        m_block = m_lo + r
         is_mask = Boolean(True)
         lock = Int32(0)
         if cutlass.const_expr(self.block_sparse):

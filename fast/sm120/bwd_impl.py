@@ -62,7 +62,14 @@ def compile_key(spec, arch: int, d_slice: int = 0) -> tuple:
     has_left, has_right, _, _ = _window_bounds(spec)
     return ("bwd", str(spec.dtype), spec.head_dim, tile_for(spec), spec.mode == "varlen",
             has_left, has_right, bool(spec.deterministic), spec.softcap > 0, spec.num_key_ranges,
-            spec.has_block_sparse, _vector_reductions(arch), d_slice, arch)
+            spec.has_block_sparse, _vector_reductions(arch), d_slice, _rotate_m(spec), arch)
+
+
+def _rotate_m(spec) -> bool:
+    """Key blocks start their walk over the query tiles at staggered offsets (FlashBwdSm80.rotate_m);
+    DUALATTN_SM120_BWD_ROTATE=0 turns it off (comparisons)."""
+    return (os.environ.get("DUALATTN_SM120_BWD_ROTATE", "1") != "0" and not spec.deterministic
+            and not spec.has_block_sparse)
 
 
 def _vector_reductions(arch: int) -> bool:
@@ -73,11 +80,11 @@ def _vector_reductions(arch: int) -> bool:
 
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
-    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, d_slice, _ = key
+    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, d_slice, rot, _ = key
     cdt = _cutlass_dtype(dt)
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
                         vec_red=vec_red, has_softcap=has_softcap, num_key_ranges=num_kr,
-                        block_sparse=block_sparse, d_slice=d_slice)
+                        block_sparse=block_sparse, d_slice=d_slice, rotate_m=rot)
 
 
 def _ptr(dt, align):
