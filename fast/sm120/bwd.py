@@ -191,8 +191,9 @@ class FlashBwdSm80(PackedEntry):
         self.block_sparse = block_sparse  # visit the k->q CSR row of the key block instead of a range
         # rotate_m: each key block walks its query tiles starting at its own offset (n_block mod the
         # count), so the CTAs running together add into different dQ tiles instead of all into the
-        # same one at once. Not with a CSR (its own order) nor deterministic mode (whose semaphore
-        # order has every key block add in ascending order: rotation would serialise them)
+        # same one at once (bwd_impl._rotate_m: where it was measured faster). Not with a CSR (its
+        # own order) nor deterministic mode (whose semaphores have the key blocks add in ascending
+        # order: rotation would serialise them)
         self.rotate_m = rotate_m and not block_sparse and not deterministic
         warps = self.num_threads // 32
         # each warp owns tile_n / warps key rows (16 or 32): its rows of S^T, dP^T, dK, dV

@@ -66,10 +66,15 @@ def compile_key(spec, arch: int, d_slice: int = 0) -> tuple:
 
 
 def _rotate_m(spec) -> bool:
-    """Key blocks start their walk over the query tiles at staggered offsets (FlashBwdSm80.rotate_m);
-    DUALATTN_SM120_BWD_ROTATE=0 turns it off (comparisons)."""
-    return (os.environ.get("DUALATTN_SM120_BWD_ROTATE", "1") != "0" and not spec.deterministic
-            and not spec.has_block_sparse)
+    """Key blocks start their walk over the query tiles at staggered offsets (FlashBwdSm80.rotate_m)
+    when no causal/window band bounds their query range. H100, bf16, 16k tokens, one lease, TFLOP/s
+    2k / 4k / 8k / 16k, rotated against not: hd64 241 / 261 / 277 / 270 against 234 / 256 / 267 / 265,
+    hd128 246 / 250 / 261 / 263 against 232 / 249 / 261 / 264; causal lost (hd128 196-252 against
+    206-270: its key-blocks-slowest grid already spreads the running CTAs over heads).
+    DUALATTN_SM120_BWD_ROTATE=0 turns it off, =1 forces it (comparisons)."""
+    env = os.environ.get("DUALATTN_SM120_BWD_ROTATE", "")
+    banded = spec.causal or spec.window != (-1, -1)
+    return (env == "1" or (env == "" and not banded)) and not spec.deterministic and not spec.has_block_sparse
 
 
 def _vector_reductions(arch: int) -> bool:
