@@ -514,6 +514,16 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
+    def tile_active(self, m_block, seqlen_q):
+        """Has this tile rows to compute? Always, except varlen tiles past their sequence's end
+        (the grid covers max_seqlen_q): producer and consumers then skip the tile altogether
+        (no Q load, no epilogue), both deciding from the same tile_coords."""
+        active = Boolean(True)
+        if const_expr(self.varlen):
+            active = m_block * self.tile_m < seqlen_q
+        return active
+
+    @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                 pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
@@ -524,46 +534,47 @@ class FlashFwdSm90:
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, _,
              offset_q, offset_k) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
-            if const_expr(self.varlen):
-                # packed tensors: the sequence starts at row offset_*; loads that run past its
-                # end read the next sequence's rows (keys masked, rows never stored) or zeros
-                gQ = cute.local_tile(cute.domain_offset((offset_q, 0), mQ[None, None, head_idx, 0]),
-                                     (BM, D), (m_block, 0))
-                gK = cute.local_tile(cute.domain_offset((offset_k, 0), mK[None, None, head_kv, 0]),
-                                     (BN, D), (None, 0))
-                gV = cute.local_tile(cute.domain_offset((offset_k, 0), mV[None, None, head_kv, 0]),
-                                     (BN, Dv), (None, 0))
-            else:
-                gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
-                gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
-                gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
-                                               cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-            tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
-                                               cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-            tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
-                                               cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-            # Q's buffer is free once the previous tile's O store has read it (see consume)
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-            n_iters = cutlass.max(n_block_max - n_block_min, 0)
-            visit = (n_block_max,)
-            if const_expr(self.dynamic_mask):
-                # the same plan the consumers compute (this warp alone: every lane agrees)
-                n_iters, visit, _ = self.visit_plan(m_block, head_idx, batch_idx, n_block_min,
-                                                    n_block_max, seqlen_q, offset_q, kr, bs)
-            for i in cutlass.range(n_iters, unroll=1):
-                n_block = n_block_max - 1 - i
+            if self.tile_active(m_block, seqlen_q):
+                if const_expr(self.varlen):
+                    # packed tensors: the sequence starts at row offset_*; loads that run past its
+                    # end read the next sequence's rows (keys masked, rows never stored) or zeros
+                    gQ = cute.local_tile(cute.domain_offset((offset_q, 0), mQ[None, None, head_idx, 0]),
+                                         (BM, D), (m_block, 0))
+                    gK = cute.local_tile(cute.domain_offset((offset_k, 0), mK[None, None, head_kv, 0]),
+                                         (BN, D), (None, 0))
+                    gV = cute.local_tile(cute.domain_offset((offset_k, 0), mV[None, None, head_kv, 0]),
+                                         (BN, Dv), (None, 0))
+                else:
+                    gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
+                    gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
+                    gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
+                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                                   cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+                tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+                                                   cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+                                                   cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+                # Q's buffer is free once the previous tile's O store has read it (see consume)
+                pipe_q.producer_acquire(q_state)
+                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                q_state.advance()
+                n_iters = cutlass.max(n_block_max - n_block_min, 0)
+                visit = (n_block_max,)
                 if const_expr(self.dynamic_mask):
-                    n_block = self.block_at(i, visit)[0]
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                kv_state.advance()
+                    # the same plan the consumers compute (this warp alone: every lane agrees)
+                    n_iters, visit, _ = self.visit_plan(m_block, head_idx, batch_idx, n_block_min,
+                                                        n_block_max, seqlen_q, offset_q, kr, bs)
+                for i in cutlass.range(n_iters, unroll=1):
+                    n_block = n_block_max - 1 - i
+                    if const_expr(self.dynamic_mask):
+                        n_block = self.block_at(i, visit)[0]
+                    pipe_k.producer_acquire(kv_state)
+                    cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                    pipe_v.producer_acquire(kv_state)
+                    cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                    kv_state.advance()
             tile += step
 
     # ------------------------------------------------------------------------------------------
@@ -613,168 +624,169 @@ class FlashFwdSm90:
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
              offset_q, _) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
-            n_blocks = cutlass.max(n_block_max - n_block_min, 0)
-            acc_O.fill(0.0)
-            row_max.fill(-Float32.inf)
-            row_sum.fill(0.0)
-            # blocks that need the element mask: the sequence tail and, for causal / a right
-            # window bound, the diagonal (visited first); with a left bound also the blocks that
-            # cross the window's lower edge (visited last). The ones in between run unmasked.
-            # The tail block needs the mask only when it runs past seqlen_k: with seqlen_k a
-            # multiple of the key tile every block of a non-causal tile runs unmasked (at 1k,
-            # hd128, the masked first block was one of a tile's 8)
-            n_masked = Int32(0)
-            if n_block_max * BN > seqlen_k:
-                n_masked = Int32(1)
-            if const_expr(self.mask_right):
-                # blocks left of the one holding key (first row's last visible key + 1) are full
-                first_row_limit = m_block * BM + seqlen_k - seqlen_q + win_right + 1
-                n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
-                n_masked = cutlass.max(n_block_max - n_block_unmasked_end, n_masked)
-            n_masked = cutlass.min(n_masked, n_blocks)
-            n_masked_left = Int32(0)
-            if const_expr(self.mask_left):
-                # block n is clear of the lower edge for every row iff n * BN >= the first
-                # visible key of the tile's last row
-                last_row_lo = m_block * BM + BM - 1 + seqlen_k - seqlen_q - win_left
-                n_left_clear = cute.ceil_div(cutlass.max(last_row_lo, 0), BN)
-                n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
-                n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
-            ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
-                       tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
-                       tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
-                       row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
-                       m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
-                       win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
-                       softcap_val=softcap_val, kr=None, inter=None)
-            if const_expr(self.dynamic_mask):
-                n_blocks, visit, ctx.inter = self.visit_plan(
-                    m_block, head_idx, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q,
-                    kr, bs)
-                if const_expr(self.num_key_ranges > 0):
-                    # this thread's rows' intervals, for the element mask
-                    kr_row0 = offset_q if const_expr(self.varlen) else Int32(0)
-                    ctx.kr = load_key_ranges(kr[0], kr[1] * batch_idx + kr[2] * head_idx,
-                                             kr_row0, tScS_mn, m_block * BM, seqlen_q,
-                                             self.num_key_ranges)[0]
-            pipe_q.consumer_wait(q_state)
-            if const_expr(self.dynamic_mask):
-                # key blocks in the plan's order, the mask decided per block at run time
-                if n_blocks > 0:
-                    if const_expr(self.overlap):
-                        n_block0, is_mask0 = self.block_at(0, visit)
-                        self.first_half_block(ctx, n_block0, kv_state, tOrP,
-                                              self.block_need_mask(ctx, n_block0, is_mask0),
-                                              is_mask0)
-                    for i in cutlass.range(n_blocks - 1 if const_expr(self.overlap) else n_blocks,
-                                           unroll=1):
-                        it = i + 1 if const_expr(self.overlap) else i
-                        n_block, is_mask_entry = self.block_at(it, visit)
-                        need = self.block_need_mask(ctx, n_block, is_mask_entry)
-                        if const_expr(self.overlap):
-                            kv_state = self.overlapped_block(ctx, need, n_block, kv_state, tOrP,
-                                                             is_mask_entry)
-                        else:
-                            kv_state = self.one_block(ctx, need, n_block, kv_state, is_mask_entry)
-                    if const_expr(self.overlap):
-                        kv_state = self.last_half_block(ctx, kv_state, tOrP)
-            elif const_expr(not self.overlap):
-                for i in cutlass.range(n_masked, unroll=1):
-                    kv_state = self.one_block(ctx, True, n_block_max - 1 - i, kv_state)
-                for i in cutlass.range(n_blocks - n_masked - n_masked_left, unroll=1):
-                    kv_state = self.one_block(ctx, False, n_block_max - n_masked - 1 - i, kv_state)
+            if self.tile_active(m_block, seqlen_q):
+                n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+                acc_O.fill(0.0)
+                row_max.fill(-Float32.inf)
+                row_sum.fill(0.0)
+                # blocks that need the element mask: the sequence tail and, for causal / a right
+                # window bound, the diagonal (visited first); with a left bound also the blocks that
+                # cross the window's lower edge (visited last). The ones in between run unmasked.
+                # The tail block needs the mask only when it runs past seqlen_k: with seqlen_k a
+                # multiple of the key tile every block of a non-causal tile runs unmasked (at 1k,
+                # hd128, the masked first block was one of a tile's 8)
+                n_masked = Int32(0)
+                if n_block_max * BN > seqlen_k:
+                    n_masked = Int32(1)
+                if const_expr(self.mask_right):
+                    # blocks left of the one holding key (first row's last visible key + 1) are full
+                    first_row_limit = m_block * BM + seqlen_k - seqlen_q + win_right + 1
+                    n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
+                    n_masked = cutlass.max(n_block_max - n_block_unmasked_end, n_masked)
+                n_masked = cutlass.min(n_masked, n_blocks)
+                n_masked_left = Int32(0)
                 if const_expr(self.mask_left):
-                    for i in cutlass.range(n_masked_left, unroll=1):
-                        kv_state = self.one_block(ctx, True, n_block_min + n_masked_left - 1 - i,
-                                                  kv_state)
-            else:
-                # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
-                # together while the softmax of S_{j+1} runs on the CUDA cores
-                if n_blocks > 0:
-                    # the first block (n_block_max - 1) is taken from the group it belongs to:
-                    # the right-masked ones, else the unmasked ones, else the left-masked ones
-                    n_right, n_unmasked, n_left = n_masked, n_blocks - n_masked - n_masked_left, n_masked_left
-                    first_masked = n_right > 0 or n_unmasked == 0
-                    if n_right > 0:
-                        n_right = n_right - 1
-                    elif n_unmasked > 0:
-                        n_unmasked = n_unmasked - 1
-                    else:
-                        n_left = n_left - 1
-                    self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked)
-                    for i in cutlass.range(n_right, unroll=1):
-                        kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
-                                                         tOrP)
-                    for i in cutlass.range(n_unmasked, unroll=1):
-                        kv_state = self.overlapped_block(
-                            ctx, False, n_block_max - 2 - n_right - i, kv_state, tOrP)
+                    # block n is clear of the lower edge for every row iff n * BN >= the first
+                    # visible key of the tile's last row
+                    last_row_lo = m_block * BM + BM - 1 + seqlen_k - seqlen_q - win_left
+                    n_left_clear = cute.ceil_div(cutlass.max(last_row_lo, 0), BN)
+                    n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
+                    n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
+                ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
+                           tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
+                           tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
+                           row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
+                           m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
+                           win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
+                           softcap_val=softcap_val, kr=None, inter=None)
+                if const_expr(self.dynamic_mask):
+                    n_blocks, visit, ctx.inter = self.visit_plan(
+                        m_block, head_idx, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q,
+                        kr, bs)
+                    if const_expr(self.num_key_ranges > 0):
+                        # this thread's rows' intervals, for the element mask
+                        kr_row0 = offset_q if const_expr(self.varlen) else Int32(0)
+                        ctx.kr = load_key_ranges(kr[0], kr[1] * batch_idx + kr[2] * head_idx,
+                                                 kr_row0, tScS_mn, m_block * BM, seqlen_q,
+                                                 self.num_key_ranges)[0]
+                pipe_q.consumer_wait(q_state)
+                if const_expr(self.dynamic_mask):
+                    # key blocks in the plan's order, the mask decided per block at run time
+                    if n_blocks > 0:
+                        if const_expr(self.overlap):
+                            n_block0, is_mask0 = self.block_at(0, visit)
+                            self.first_half_block(ctx, n_block0, kv_state, tOrP,
+                                                  self.block_need_mask(ctx, n_block0, is_mask0),
+                                                  is_mask0)
+                        for i in cutlass.range(n_blocks - 1 if const_expr(self.overlap) else n_blocks,
+                                               unroll=1):
+                            it = i + 1 if const_expr(self.overlap) else i
+                            n_block, is_mask_entry = self.block_at(it, visit)
+                            need = self.block_need_mask(ctx, n_block, is_mask_entry)
+                            if const_expr(self.overlap):
+                                kv_state = self.overlapped_block(ctx, need, n_block, kv_state, tOrP,
+                                                                 is_mask_entry)
+                            else:
+                                kv_state = self.one_block(ctx, need, n_block, kv_state, is_mask_entry)
+                        if const_expr(self.overlap):
+                            kv_state = self.last_half_block(ctx, kv_state, tOrP)
+                elif const_expr(not self.overlap):
+                    for i in cutlass.range(n_masked, unroll=1):
+                        kv_state = self.one_block(ctx, True, n_block_max - 1 - i, kv_state)
+                    for i in cutlass.range(n_blocks - n_masked - n_masked_left, unroll=1):
+                        kv_state = self.one_block(ctx, False, n_block_max - n_masked - 1 - i, kv_state)
                     if const_expr(self.mask_left):
-                        for i in cutlass.range(n_left, unroll=1):
-                            kv_state = self.overlapped_block(
-                                ctx, True, n_block_min + n_left - 1 - i, kv_state, tOrP)
-                    kv_state = self.last_half_block(ctx, kv_state, tOrP)
-
-            if const_expr(self.separate_o):
-                # every GEMM reading Q has completed (wait_group(0) in the last step)
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
-
-            # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
-            for r in cutlass.range_constexpr(num_rows):
-                sm = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-                inv = Float32(0.0)
-                lse[r] = -Float32.inf
-                if sm > 0.0:
-                    inv = cute.arch.rcp_approx(sm)
-                    lse[r] = (row_max[r] * softmax_scale_log2
-                              + cute.math.log2(sm, fastmath=True)) * LN_2
-                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                    acc_O_mn[r, c] = acc_O_mn[r, c] * inv
-
-            # LSE: the first thread of each quad owns its two rows
-            if const_expr(self.write_lse) and tidx % 4 == 0:
-                for r in cutlass.range_constexpr(num_rows):
-                    row = m_block * BM + tScS_mn[r, 0][0]
-                    if row < seqlen_q:
-                        if const_expr(self.varlen):
-                            mLSE[offset_q + row, head_idx, 0] = lse[r]
+                        for i in cutlass.range(n_masked_left, unroll=1):
+                            kv_state = self.one_block(ctx, True, n_block_min + n_masked_left - 1 - i,
+                                                      kv_state)
+                else:
+                    # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
+                    # together while the softmax of S_{j+1} runs on the CUDA cores
+                    if n_blocks > 0:
+                        # the first block (n_block_max - 1) is taken from the group it belongs to:
+                        # the right-masked ones, else the unmasked ones, else the left-masked ones
+                        n_right, n_unmasked, n_left = n_masked, n_blocks - n_masked - n_masked_left, n_masked_left
+                        first_masked = n_right > 0 or n_unmasked == 0
+                        if n_right > 0:
+                            n_right = n_right - 1
+                        elif n_unmasked > 0:
+                            n_unmasked = n_unmasked - 1
                         else:
-                            mLSE[row, head_idx, batch_idx] = lse[r]
+                            n_left = n_left - 1
+                        self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked)
+                        for i in cutlass.range(n_right, unroll=1):
+                            kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
+                                                             tOrP)
+                        for i in cutlass.range(n_unmasked, unroll=1):
+                            kv_state = self.overlapped_block(
+                                ctx, False, n_block_max - 2 - n_right - i, kv_state, tOrP)
+                        if const_expr(self.mask_left):
+                            for i in cutlass.range(n_left, unroll=1):
+                                kv_state = self.overlapped_block(
+                                    ctx, True, n_block_min + n_left - 1 - i, kv_state, tOrP)
+                        kv_state = self.last_half_block(ctx, kv_state, tOrP)
 
-            # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
-            # done. Separate: free once the previous tile's store has read it; warp 0, which
-            # issued that store, waits for it here, a whole tile after issuing it (varlen:
-            # every thread's own shared-memory reads of the previous tile are complete).
-            if const_expr(self.separate_o and not self.varlen):
-                if tidx < 32:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
-            rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-            rO.store(acc_O.load().to(self.dtype))
-            cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
-            if const_expr(not self.varlen):
-                cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
-            if const_expr(self.varlen):
-                # shared -> global in 16-byte vectors, rows predicated on this sequence's length:
-                # a TMA store writes whole tiles and would overwrite the next sequence's rows
-                self.store_O_rows(sO, mO, offset_q, head_idx, m_block, seqlen_q - m_block * BM,
-                                  tidx)
-            else:
-                if tidx < 32:
-                    gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
-                    tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                                       cute.group_modes(sO, 0, 2),
-                                                       cute.group_modes(gO, 0, 2))
-                    cute.copy(tma_atom_O, tOsO, tOgO)
-                    cute.arch.cp_async_bulk_commit_group()
-                    if const_expr(not self.separate_o):
+                if const_expr(self.separate_o):
+                    # every GEMM reading Q has completed (wait_group(0) in the last step)
+                    pipe_q.consumer_release(q_state)
+                    q_state.advance()
+
+                # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
+                for r in cutlass.range_constexpr(num_rows):
+                    sm = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+                    inv = Float32(0.0)
+                    lse[r] = -Float32.inf
+                    if sm > 0.0:
+                        inv = cute.arch.rcp_approx(sm)
+                        lse[r] = (row_max[r] * softmax_scale_log2
+                                  + cute.math.log2(sm, fastmath=True)) * LN_2
+                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                        acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+
+                # LSE: the first thread of each quad owns its two rows
+                if const_expr(self.write_lse) and tidx % 4 == 0:
+                    for r in cutlass.range_constexpr(num_rows):
+                        row = m_block * BM + tScS_mn[r, 0][0]
+                        if row < seqlen_q:
+                            if const_expr(self.varlen):
+                                mLSE[offset_q + row, head_idx, 0] = lse[r]
+                            else:
+                                mLSE[row, head_idx, batch_idx] = lse[r]
+
+                # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
+                # done. Separate: free once the previous tile's store has read it; warp 0, which
+                # issued that store, waits for it here, a whole tile after issuing it (varlen:
+                # every thread's own shared-memory reads of the previous tile are complete).
+                if const_expr(self.separate_o and not self.varlen):
+                    if tidx < 32:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if const_expr(not self.separate_o):
-                # the store has read Q/O's buffer: hand it back to the producer for the next Q
                 cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
-                pipe_q.consumer_release(q_state)
-                q_state.advance()
+                rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+                rO.store(acc_O.load().to(self.dtype))
+                cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
+                if const_expr(not self.varlen):
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
+                if const_expr(self.varlen):
+                    # shared -> global in 16-byte vectors, rows predicated on this sequence's length:
+                    # a TMA store writes whole tiles and would overwrite the next sequence's rows
+                    self.store_O_rows(sO, mO, offset_q, head_idx, m_block, seqlen_q - m_block * BM,
+                                      tidx)
+                else:
+                    if tidx < 32:
+                        gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
+                        tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                                           cute.group_modes(sO, 0, 2),
+                                                           cute.group_modes(gO, 0, 2))
+                        cute.copy(tma_atom_O, tOsO, tOgO)
+                        cute.arch.cp_async_bulk_commit_group()
+                        if const_expr(not self.separate_o):
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if const_expr(not self.separate_o):
+                    # the store has read Q/O's buffer: hand it back to the producer for the next Q
+                    cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
+                    pipe_q.consumer_release(q_state)
+                    q_state.advance()
             tile += step
         # shared memory must outlive the last store's reads
         if tidx < 32:
