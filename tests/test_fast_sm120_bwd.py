@@ -300,3 +300,23 @@ def test_bwd_compile_key_ignores_runtime_values():
     assert compile_key(_spec(causal=True), 90) != compile_key(_spec(), 90)
     assert compile_key(_spec(deterministic=True), 90) != compile_key(_spec(), 90)
     assert compile_key(_spec(), 120) != compile_key(_spec(), 90)
+
+
+def test_bwd_query_tile_rotation_choice(monkeypatch):
+    """rotate_m (staggered query-tile walk) is compiled in where it was measured faster: without a
+    causal/window band; never with a CSR or in deterministic mode (ascending semaphore order)."""
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120.bwd_impl import _rotate_m, build_kernel, compile_key
+    monkeypatch.delenv("DUALATTN_SM120_BWD_ROTATE", raising=False)
+    assert _rotate_m(_spec()) and not _rotate_m(_spec(causal=True))
+    assert not _rotate_m(_spec(window=(64, 0))) and not _rotate_m(_spec(deterministic=True))
+    assert build_kernel(compile_key(_spec(), 90)).rotate_m
+    assert not build_kernel(compile_key(_spec(causal=True), 90)).rotate_m
+    monkeypatch.setenv("DUALATTN_SM120_BWD_ROTATE", "0")
+    assert not _rotate_m(_spec())
+    monkeypatch.setenv("DUALATTN_SM120_BWD_ROTATE", "1")
+    assert _rotate_m(_spec(causal=True)) and not _rotate_m(_spec(causal=True, deterministic=True))
+    # the kernel refuses it on its own where the order matters, whatever the key says
+    key = list(compile_key(_spec(deterministic=True), 90))
+    key[-2] = True
+    assert not build_kernel(tuple(key)).rotate_m
