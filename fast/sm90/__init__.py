@@ -78,8 +78,11 @@ def _plain_hd64(spec) -> bool:
             and not spec.has_key_ranges and not spec.has_block_sparse)
 
 
+CAUSAL_3WG_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs 3 warpgroups (below)
+
+
 def _three_warpgroups(spec) -> bool:
-    """Plain hd64, not causal: 3 consumer warpgroups (tile_m 192) instead of 2 with ping-pong.
+    """Plain hd64 (causal only from 16k queries): 3 consumer warpgroups (tile_m 192) instead of 2.
     H100, bf16, 16k tokens, one lease (TFLOP/s, 2 -> 3 warpgroups; FA4 / cuDNN in the same run):
     1k 335 -> 324, 2k 368 -> 422, 4k 428 -> 475, 8k 442 -> 535, 16k 461 -> 522 (FA4 364-585,
     cuDNN 366-487): more query rows per K/V tile loaded, where hd64's short GEMMs leave the loads
@@ -89,9 +92,6 @@ def _three_warpgroups(spec) -> bool:
     2 -> 3 warpgroups, TFLOP/s): 1k 236 -> 157, 2k 312 -> 262, 4k 401 -> 351, 8k 446 -> 447-450,
     16k 441-480 -> 505 (persistent) / 517 (one CTA per tile, which causal 3-warpgroup calls run)."""
     return _plain_hd64(spec) and (not spec.causal or spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN)
-
-
-CAUSAL_3WG_MIN_SEQLEN = 16384
 
 
 def _sparse_tile_n(head_dim: int, block_n: int, head_dim_v: Optional[int] = None) -> Optional[int]:
