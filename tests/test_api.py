@@ -286,3 +286,21 @@ def test_compare_names_the_key_block_that_fails_alone():
         rep = debug.compare(call, _WrongOnlyWhenCombined.name)
         assert not rep.ok
         assert "agrees with the oracle on its own" in str(rep) and "combining blocks" in str(rep), str(rep)
+
+
+def test_env_mode_is_read_on_every_call(monkeypatch):
+    # current_mode reads os.environ's backing dict directly (host time): a change after import,
+    # through os.environ or monkeypatch, must take effect at once, and the context managers win
+    from dualattn import debug
+    monkeypatch.delenv("DUALATTN_MODE", raising=False)
+    assert debug.current_mode() is None
+    monkeypatch.setenv("DUALATTN_MODE", " Check ")
+    assert debug.current_mode() == "check"
+    os.environ["DUALATTN_MODE"] = "reference"
+    assert debug.current_mode() == "reference"
+    with debug.check_mode():
+        assert debug.current_mode() == "check"
+    monkeypatch.setenv("DUALATTN_MODE", "bogus")
+    assert debug.current_mode() is None
+    monkeypatch.delenv("DUALATTN_MODE")
+    assert debug.current_mode() is None

@@ -274,3 +274,16 @@ def test_packed_entry_passes_call_arguments_in_order():
         assert buf.tolist() == [7.0 + i, 0.25 * i, -3.0 - i]
     with pytest.raises(TypeError, match="argument 1"):
         schema_like([protos[0], 3])
+
+
+def test_empty_output_is_contiguous_in_qs_dtype_and_device():
+    from dualattn.fast.common.launch_args import empty_f32, empty_output
+    q = torch.randn(2, 5, 3, 64, dtype=torch.bfloat16)
+    strided = torch.randn(2, 3, 5, 64, dtype=torch.bfloat16).transpose(1, 2)  # not contiguous
+    for t in (q, strided):
+        for dv in (64, 32):
+            o = empty_output(t, dv)
+            assert o.shape == (2, 5, 3, dv) and o.dtype == t.dtype and o.device == t.device
+            assert o.is_contiguous() and o.data_ptr() != t.data_ptr()
+    lse = empty_f32(q, (2, 3, 5))
+    assert lse.shape == (2, 3, 5) and lse.dtype == torch.float32 and lse.is_contiguous()

@@ -12,7 +12,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
-from dualattn.fast.common.launch_args import PackedLaunch, schema_like
+from dualattn.fast.common.launch_args import PackedLaunch, empty_f32, empty_output, schema_like
 
 from .fwd import SMEM_LIMIT_SM120, FlashFwdSm80, tile_config
 
@@ -176,14 +176,14 @@ class FastSm120Forward:
         Hq, Hkv = spec.num_heads_q, spec.num_heads_kv
         if varlen:
             total_q, total_k = q.shape[0], k.shape[0]
-            lse = torch.empty((Hq, total_q), dtype=torch.float32, device=q.device)
+            lse = empty_f32(q, (Hq, total_q))
             lse_sh, lse_sb = total_q, 0
         else:
             B, Sq, Sk = spec.batch, spec.seqlen_q, spec.seqlen_k
             total_q, total_k = B * Sq, B * Sk
-            lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+            lse = empty_f32(q, (B, Hq, Sq))
             lse_sh, lse_sb = Sq, Hq * Sq
-        out = torch.empty(q.shape[:-1] + (spec.head_dim_v,), dtype=q.dtype, device=q.device)
+        out = empty_output(q, spec.head_dim_v)
         if total_q == 0 or spec.batch == 0 or spec.seqlen_q == 0:
             return out, lse
 

@@ -28,7 +28,8 @@ import torch
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.tile_order import L2_SECTION_BYTES
-from dualattn.fast.common.launch_args import DirectLauncher, current_device_index, current_stream_handle
+from dualattn.fast.common.launch_args import (DirectLauncher, current_device_index, current_stream_handle, empty_f32,
+                                              empty_output)
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -372,12 +373,12 @@ class FastSm90Forward:
         extra = call.extra
         out = extra.get("out") if extra else None
         if out is None:
-            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+            out = empty_output(q, out_shape[-1])  # out_shape is q's but for the last dim
         lse = None
         if self.writes_lse(call.spec):  # else no LSE at all, not even a preallocated one left unwritten
             lse = extra.get("lse") if extra else None
             if lse is None:
-                lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+                lse = empty_f32(q, lse_shape)
         # the kernel derives O's and LSE's strides from the shapes: they must be contiguous
         assert out.is_contiguous() and (lse is None or lse.is_contiguous()) and out.data_ptr() % 16 == 0
         return out, lse
