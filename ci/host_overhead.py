@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
@@ -18,7 +19,8 @@ import torch
 
 import dualattn
 from dualattn import dispatch
-from dualattn.fast.common.launch_args import current_stream_handle
+from dualattn import debug
+from dualattn.fast.common.launch_args import current_stream_handle, empty_f32, empty_output
 from dualattn.spec import build_dense
 
 
@@ -59,8 +61,12 @@ def main():
         "  build_dense (memoised spec)": lambda: build_dense(q, k, v),
         "  dispatch.select": lambda: dispatch.select(call.spec, "fast"),
         "  _prep x3": lambda: (impl._prep(q), impl._prep(k), impl._prep(v)),
-        "  torch.empty out + lse": lambda: (torch.empty((1, 128, 2, 64), dtype=q.dtype, device=dev),
-                                            torch.empty((1, 2, 128), dtype=torch.float32, device=dev)),
+        "  empty_output + empty_f32 (out + lse)": lambda: (empty_output(q, 64), empty_f32(q, (1, 2, 128))),
+        "  (torch.empty(shape, dtype=, device=) x2, what they replaced)": lambda: (
+            torch.empty((1, 128, 2, 64), dtype=q.dtype, device=dev),
+            torch.empty((1, 2, 128), dtype=torch.float32, device=dev)),
+        "  debug.current_mode": debug.current_mode,
+        "  (os.environ.get of DUALATTN_MODE, what it replaced)": lambda: os.environ.get("DUALATTN_MODE", ""),
         "  _entry (memo)": lambda: impl._entry(call.spec, dev),
         "  pack_args": lambda: impl.pack_args(pack, tail, q, k, v, out, lse),
         "  current_stream_handle": lambda: current_stream_handle(dev),
