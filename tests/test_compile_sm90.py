@@ -169,11 +169,14 @@ def test_packed_args_roundtrip_on_host():
 
 @pytest.mark.compile_only
 @pytest.mark.parametrize("causal,window,softcap", [(False, (-1, -1), 0.0), (True, (7, 3), 5.0)])
-def test_sm90_packed_args_build_the_right_tensors(causal, window, softcap):
+def test_sm90_packed_args_build_the_right_tensors(causal, window, softcap, monkeypatch):
     """The kernel's host entry builds Q, K, V (strided views), O and LSE from the packed
     argument: a host-only probe using the same builder (FlashFwdSm90.tensors_from_pointers)
     reads Q/K/V elements and writes O/LSE elements of CPU tensors at the far corners, and
-    returns the scalars, so pointer, shape, stride and scalar wiring are checked on the CPU."""
+    returns the scalars, so pointer, shape, stride and scalar wiring are checked on the CPU.
+    (GQA packing off: its views have a test of their own below.)"""
+    import dualattn.fast.sm90 as sm90
+    monkeypatch.setattr(sm90, "_PACK_GQA_ENV", "0")
     import cutlass.cute as cute
     from cutlass import Float32
     from cutlass.cute.runtime import make_ptr
@@ -468,3 +471,63 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     # the ring: each warpgroup waits on its own barrier (2, 3, 4) and arrives on the next one's
     assert re.search(r"bar\.sync\s+%r\d+,\s*256;", ptx) and re.search(r"bar\.arrive\s+%r\d+,\s*256;", ptx)
     assert _loops_with(ptx, "wgmma.mma_async") >= 1
+
+
+@pytest.mark.compile_only
+def test_pack_gqa_views_fold_the_group_into_rows():
+    """With pack_gqa = g, row r of KV head h is query r // g of query head h * g + r % g, in Q, O
+    and LSE alike (FlashFwdSm90.packed_gqa_tensors): probed on CPU tensors like the test above."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    B, Sq, Sk, Hq, Hkv, D = 2, 5, 53, 8, 2, 64
+    g = Hq // Hkv
+    spec = AttentionSpec("batched", B, Sq, Sk, Hq, Hkv, D, D, torch.bfloat16, "cuda", return_lse=True)
+    fwd = FastSm90Forward()
+    assert fwd.pack_gqa(spec) == g and "_pack4" in fwd.compile_key(spec, 90)[0]
+    kern = fwd.make_kernel(spec)
+    sch = fwd.arg_schema(spec)
+    probes = [(1, 17, 1, 9), (0, 0, 0, 0), (1, g * Sq - 1, Hkv - 1, D - 1), (0, 6, 1, 33)]  # (b, row, kv head, d)
+
+    @cute.jit
+    def probe(args, res_ptr):
+        mQ, mK, mV, mO, mLSE = kern.tensors_from_pointers(*args.values[:19])
+        r = cute.make_tensor(res_ptr, cute.make_layout(16))
+        for i, (b, row, h, d) in enumerate(probes):
+            r[i] = Float32(mQ[b, row, h, d])
+            mO[b, row, h, d] = mO.element_type(10.0 + i)
+            mLSE[b, h, row] = Float32(20.0 + i)
+        r[8] = Float32(cute.size(mQ.shape[1]))
+        r[9] = Float32(cute.size(mQ.shape[2]))
+
+    fn = cute.compile(probe, sch.fake(), make_ptr(cutlass.Float32, 0, AddressSpace.gmem, 4))
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Sq, Hq, D, generator=gen).to(torch.bfloat16)
+    k = torch.randn(B, Sk, Hkv, D, generator=gen).to(torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.zeros(B, Sq, Hq, D, dtype=torch.bfloat16)
+    lse = torch.zeros(B, Hq, Sq)
+    res = torch.zeros(16)
+    fn(fwd.pack_args(sch.pack, (*fwd.runtime_scalars(spec), 132), q, k, v, out, lse),
+       make_ptr(cutlass.Float32, res.data_ptr(), AddressSpace.gmem, 4))
+    for i, (b, row, h, d) in enumerate(probes):
+        s, hq = row // g, h * g + row % g
+        assert res[i] == float(q[b, s, hq, d])
+        assert out[b, s, hq, d] == 10.0 + i and lse[b, hq, s] == 20.0 + i
+    assert out.count_nonzero() == len(probes) and lse.count_nonzero() == len(probes)
+    assert res[8:10].tolist() == [g * Sq, Hkv]
+
+
+def test_pack_gqa_choice():
+    # packed: a power-of-two group, short queries, no mask that depends on the query position
+    assert FastSm90Forward.pack_gqa(_spec(128, sq=16)) == 4
+    assert FastSm90Forward.pack_gqa(_spec(128, True, sq=1)) == 4        # one query sees every key
+    assert FastSm90Forward.pack_gqa(_spec(128, True, sq=16)) == 1
+    assert FastSm90Forward.pack_gqa(_spec(128, sq=1000)) == 1           # long queries fill the tile
+    assert FastSm90Forward.pack_gqa(_spec(128, sq=16, window=(8, 8))) == 1
+    assert FastSm90Forward.pack_gqa(AttentionSpec("batched", 1, 16, 99, 6, 2, 64, 64, torch.bfloat16,
+                                                  "cuda")) == 1          # group of 3
+    assert FastSm90Forward.pack_gqa(AttentionSpec("batched", 1, 16, 99, 4, 4, 64, 64, torch.bfloat16,
+                                                  "cuda")) == 1          # MHA

@@ -78,6 +78,15 @@ for _c in (False, True):
     _case("dv128", 1, 239, 1, 2, 2, 192, "float16", _c, dv=128)
     _case("dv128", 1, 1, 1, 2, 2, 192, "bfloat16", _c, dv=128)
 _case("dv128", 2, 1000, 1000, 4, 2, 192, "bfloat16", True, "1", dv=128, window=(100, 0))
+# GQA heads packed into the M tile (FastSm90Forward.pack_gqa: short queries, no position mask)
+_case("packgqa", 2, 16, 1000, 32, 8, 128)
+_case("packgqa", 2, 16, 1000, 32, 8, 128, "bfloat16", False, "0")
+_case("packgqa", 3, 1, 517, 16, 2, 128, "bfloat16", True)   # g = 8; one query: causal hides nothing
+_case("packgqa", 1, 33, 203, 8, 2, 64)                      # 3 warpgroups, 192-row tile
+_case("packgqa", 2, 64, 300, 8, 1, 256, "float16")
+_case("packgqa", 1, 7, 1, 4, 2, 96, "float16")
+_case("packgqa", 2, 20, 400, 8, 2, 128, softcap=10.0)
+_case("packgqa", 1, 40, 300, 8, 2, 192, dv=128)
 # non-contiguous q / k / v (strides reach the kernel as runtime values)
 _case("strided", 2, 300, 517, 4, 2, 128, "bfloat16", False, strided=True)
 _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)

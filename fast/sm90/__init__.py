@@ -41,6 +41,7 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # SM frees up, a better balance than a static stride: hd128 16k causal 615 vs 579 TFLOP/s).
 # DUALATTN_SM90_PERSISTENT=0/1 forces the choice (for comparisons and tests).
 _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
+_PACK_GQA_ENV = os.environ.get("DUALATTN_SM90_PACK_GQA", "")  # see FastSm90Forward.pack_gqa
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -80,6 +81,7 @@ def _plain_hd64(spec) -> bool:
 
 
 CAUSAL_3WG_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs 3 warpgroups (below)
+PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
 
 def _three_warpgroups(spec) -> bool:
@@ -211,6 +213,23 @@ class FastSm90Forward:
         The window sizes and the cap are runtime arguments."""
         return spec.window[0] >= 0, spec.window[1] >= 0, spec.softcap > 0
 
+    @classmethod
+    def pack_gqa(cls, spec) -> int:
+        """Query heads per KV head packed into one M tile (1: none). Where the query rows of one
+        head leave most of the tile empty (seqlen_q <= PACK_GQA_MAX_SEQLEN_Q), packing the group's
+        heads fills it and reads each K/V tile once per group instead of once per head. Needs a
+        power-of-two group dividing tile_m (the rows of a tile are (head, query) pairs) and no mask
+        that depends on the query position (causal only with a single query, which sees every key).
+        DUALATTN_SM90_PACK_GQA=0 turns it off, =1 packs wherever allowed (comparisons)."""
+        g = spec.num_heads_q // max(spec.num_heads_kv, 1)
+        if (g < 2 or g & (g - 1) or spec.mode != "batched" or spec.has_key_ranges or spec.has_block_sparse
+                or spec.window != (-1, -1) or (spec.causal and spec.seqlen_q != 1)
+                or cls.config(spec)[0] % g):
+            return 1
+        if _PACK_GQA_ENV == "0":
+            return 1
+        return g if _PACK_GQA_ENV == "1" or spec.seqlen_q <= PACK_GQA_MAX_SEQLEN_Q else 1
+
     @staticmethod
     def writes_lse(spec) -> bool:
         """The LSE is stored when the caller asked for it (or a backward would need it)."""
@@ -222,19 +241,24 @@ class FastSm90Forward:
         name += f"_kr{spec.num_key_ranges}" if spec.has_key_ranges else ""
         name += "_bs" if spec.has_block_sparse else ""
         name += "" if self.writes_lse(spec) else "_nolse"
-        return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
+        g = self.pack_gqa(spec)
+        name += f"_pack{g}" if g > 1 else ""
+        return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal) and g == 1,
                 *self.mask_flags(spec), *self.config(spec), L2_SECTION_BYTES, arch_string(arch))
 
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
         tile_m, tile_n, stages, pingpong, overlap, persistent, separate_o = self.config(spec)
         wl, wr, sc = self.mask_flags(spec)
+        g = self.pack_gqa(spec)
+        # packed only where no mask depends on the query position: causal with one query (bottom-
+        # right aligned, it sees every key) compiles as non-causal
         return FlashFwdSm90(_cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v,
-                            spec.causal, tile_n, stages, pingpong, overlap, persistent, separate_o,
+                            spec.causal and g == 1, tile_n, stages, pingpong, overlap, persistent, separate_o,
                             window_left=wl, window_right=wr, softcap=sc,
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
-                            num_mma_wg=tile_m // 64)
+                            num_mma_wg=tile_m // 64, pack_gqa=g)
 
     @staticmethod
     def arg_schema(spec):

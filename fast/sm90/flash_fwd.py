@@ -138,8 +138,13 @@ class FlashFwdSm90:
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
-                 num_mma_wg: int = 2):
+                 num_mma_wg: int = 2, pack_gqa: int = 1):
         self.dtype = dtype
+        # pack_gqa = g > 1: the g query heads of one KV head share the M tile, row r of the tile
+        # being query (m_block * tile_m + r) // g of head r % g (see tensors_from_pointers). Rows
+        # then differ in position, so only masks that ignore the query position are compiled
+        # with it (the key tail; FastSm90Forward.pack_gqa decides)
+        self.pack_gqa = pack_gqa
         # consumer warpgroups, 64 query rows each: 2 (tile_m 128) or 3 (tile_m 192: more rows
         # per K/V tile loaded, for small head dims where the loads and the per-tile overheads weigh
         # most). Ping-pong generalises to a round robin: warpgroup w issues its GEMMs after w - 1
@@ -189,6 +194,8 @@ class FlashFwdSm90:
             arch=self.arch,
         )
         assert self.num_mma_regs * self.num_mma_wg * 128 + self.num_producer_regs * 128 <= 65536
+        assert pack_gqa == 1 or (self.tile_m % pack_gqa == 0 and not varlen and not self.mask_right
+                                 and not self.mask_left and not self.dynamic_mask)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -269,7 +276,7 @@ class FlashFwdSm90:
             num_m_blocks = cute.ceil_div(vl[2], BM)
             grid = (num_m_blocks, cute.size(mQ.shape[2]), vl[3])
         else:
-            num_m_blocks = cute.ceil_div(mQ.shape[0], BM)
+            num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), BM)
             grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         if const_expr(self.persistent):
             # one CTA per SM (shared memory allows one), each walking tiles with a stride
@@ -294,6 +301,10 @@ class FlashFwdSm90:
         """(mQ, mK, mV, mO, mLSE) as ``__call__`` takes them, from raw pointers, shapes and q/k/v
         strides (called while tracing). O (B, Sq, Hq, Dv) and LSE (B, Hq, Sq) are contiguous."""
         D, Dv = self.head_dim, self.head_dim_v
+        if const_expr(self.pack_gqa > 1):
+            return self.packed_gqa_tensors(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, batch, seqlen_q, seqlen_k, heads_q,
+                                           heads_kv, q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s,
+                                           k_stride_h, v_stride_b, v_stride_s, v_stride_h)
         mQ = cute.make_tensor(q_ptr, cute.make_layout(
             (batch, seqlen_q, heads_q, D), stride=(q_stride_b, q_stride_s, q_stride_h, 1)))
         mK = cute.make_tensor(k_ptr, cute.make_layout(
@@ -306,6 +317,30 @@ class FlashFwdSm90:
         lse_stride_h = cutlass.Int64(seqlen_q)
         mLSE = cute.make_tensor(lse_ptr, cute.make_layout(
             (batch, heads_q, seqlen_q), stride=(lse_stride_h * heads_q, lse_stride_h, 1)))
+        return mQ, mK, mV, mO, mLSE
+
+    def packed_gqa_tensors(self, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, batch, seqlen_q, seqlen_k, heads_q,
+                           heads_kv, q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s, k_stride_h,
+                           v_stride_b, v_stride_s, v_stride_h):
+        """tensors_from_pointers with the g = pack_gqa query heads of each KV head folded into
+        the rows: Q and O become (B, (g, Sq), Hkv, D) (row r = (r % g, r // g): head kv * g + r % g,
+        query r // g) and LSE (B, Hkv, (g, Sq)). To the kernel this is MQA with g * Sq rows per
+        KV head: one tile carries g heads' queries against one K/V tile stream, and the TMA
+        boxes of Q and O gain one dimension (the g heads of a query are adjacent in memory)."""
+        D, Dv, g = self.head_dim, self.head_dim_v, self.pack_gqa
+        rows = (g, seqlen_q)
+        mQ = cute.make_tensor(q_ptr, cute.make_layout(
+            (batch, rows, heads_kv, D), stride=(q_stride_b, (q_stride_h, q_stride_s), q_stride_h * g, 1)))
+        mK = cute.make_tensor(k_ptr, cute.make_layout(
+            (batch, seqlen_k, heads_kv, D), stride=(k_stride_b, k_stride_s, k_stride_h, 1)))
+        mV = cute.make_tensor(v_ptr, cute.make_layout(
+            (batch, seqlen_k, heads_kv, Dv), stride=(v_stride_b, v_stride_s, v_stride_h, 1)))
+        o_stride_s = cutlass.Int64(heads_q) * Dv
+        mO = cute.make_tensor(o_ptr, cute.make_layout(
+            (batch, rows, heads_kv, Dv), stride=(o_stride_s * seqlen_q, (Dv, o_stride_s), Dv * g, 1)))
+        lse_stride_h = cutlass.Int64(seqlen_q)
+        mLSE = cute.make_tensor(lse_ptr, cute.make_layout(
+            (batch, heads_kv, rows), stride=(lse_stride_h * heads_q, lse_stride_h * g, (lse_stride_h, 1))))
         return mQ, mK, mV, mO, mLSE
 
     @cute.jit
@@ -434,7 +469,7 @@ class FlashFwdSm90:
     def num_tiles(self, mQ, vl=None):
         if const_expr(self.varlen):
             return cute.ceil_div(vl[2], self.tile_m) * cute.size(mQ.shape[2]) * vl[3]
-        return cute.ceil_div(mQ.shape[0], self.tile_m) * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
+        return cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m) * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
 
     @cute.jit
     def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None):
@@ -449,7 +484,7 @@ class FlashFwdSm90:
         (fast/common/tile_order; varlen: across all, the lengths differ per sequence).
         """
         BM, BN = self.tile_m, self.tile_n
-        seqlen_q = mQ.shape[0]
+        seqlen_q = cute.size(mQ.shape[0])  # g * Sq rows with pack_gqa
         seqlen_k = mK.shape[0]
         num_batch = cute.size(mQ.shape[3])
         if const_expr(self.varlen):
