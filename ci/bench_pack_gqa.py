@@ -3,7 +3,7 @@
     python ci/bench_pack_gqa.py [--sq 1,4,16,32,64,128] [--hdim 128] [--heads 32/8]
 
 Times dualattn.attention(impl="fast") on (B, Sq, Hq, D) queries against an 8k-key cache-like
-K/V (B=8, bf16, non-causal; Sq=1 also causal), with the group's heads packed and not (the
+K/V (B=8, bf16, non-causal and causal), with the group's heads packed and not (the
 switch DUALATTN_SM90_PACK_GQA stands for, set per variant), and torch SDPA (cuDNN, enable_gqa) for scale, by CUDA events,
 median of 30 after warm-up. Reports us per call and the K/V read rate (GB/s): these shapes are
 bound by reading K and V, which packing reads once per KV head instead of once per query head.
@@ -50,7 +50,7 @@ def main():
     from dualattn.spec import build_dense
     print(f"B={B} Sk={Sk} heads {hq}/{hkv} hd{D} bf16; us per call (K/V GB/s)")
     for sq in (int(x) for x in a.sq.split(",")):
-        for causal in ((False, True) if sq == 1 else (False,)):
+        for causal in (False, True):
             q = torch.randn(B, sq, hq, D, device="cuda", dtype=torch.bfloat16)
             g = FastSm90Forward.pack_gqa(build_dense(q, k, v, causal=causal).spec)
             row = f"Sq={sq:<4}{' causal' if causal else '       '} default pack={g}:"

@@ -521,12 +521,12 @@ def test_pack_gqa_views_fold_the_group_into_rows():
 
 
 def test_pack_gqa_choice():
-    # packed: a power-of-two group, short queries, no mask that depends on the query position
+    # packed: a power-of-two group, short queries, no per-head key ranges / CSR, not varlen
     assert FastSm90Forward.pack_gqa(_spec(128, sq=16)) == 4
-    assert FastSm90Forward.pack_gqa(_spec(128, True, sq=1)) == 4        # one query sees every key
-    assert FastSm90Forward.pack_gqa(_spec(128, True, sq=16)) == 1
+    assert FastSm90Forward.pack_gqa(_spec(128, True, sq=1)) == 4
+    assert FastSm90Forward.pack_gqa(_spec(128, True, sq=16)) == 4       # masks take row // g
+    assert FastSm90Forward.pack_gqa(_spec(128, sq=16, window=(8, 8))) == 4
     assert FastSm90Forward.pack_gqa(_spec(128, sq=1000)) == 1           # long queries fill the tile
-    assert FastSm90Forward.pack_gqa(_spec(128, sq=16, window=(8, 8))) == 1
     assert FastSm90Forward.pack_gqa(AttentionSpec("batched", 1, 16, 99, 6, 2, 64, 64, torch.bfloat16,
                                                   "cuda")) == 1          # group of 3
     assert FastSm90Forward.pack_gqa(AttentionSpec("batched", 1, 16, 99, 4, 4, 64, 64, torch.bfloat16,

@@ -81,7 +81,13 @@ _case("dv128", 2, 1000, 1000, 4, 2, 192, "bfloat16", True, "1", dv=128, window=(
 # GQA heads packed into the M tile (FastSm90Forward.pack_gqa: short queries, no position mask)
 _case("packgqa", 2, 16, 1000, 32, 8, 128)
 _case("packgqa", 2, 16, 1000, 32, 8, 128, "bfloat16", False, "0")
-_case("packgqa", 3, 1, 517, 16, 2, 128, "bfloat16", True)   # g = 8; one query: causal hides nothing
+_case("packgqa", 3, 1, 517, 16, 2, 128, "bfloat16", True)   # g = 8
+_case("packgqa", 2, 37, 300, 16, 4, 128, "bfloat16", True)  # causal: each row's mask at row // g
+_case("packgqa", 2, 50, 40, 8, 2, 128, "bfloat16", True)    # Sq > Sk: rows that see no key
+_case("packgqa", 1, 64, 64, 8, 1, 64, "bfloat16", True)
+_case("packgqa", 2, 64, 129, 16, 2, 96, "float16", True, "1")
+_case("packgqa", 2, 33, 500, 8, 2, 128, window=(40, 0))
+_case("packgqa", 1, 20, 700, 8, 4, 256, "bfloat16", False, "0", window=(100, 10))
 _case("packgqa", 1, 33, 203, 8, 2, 64)                      # 3 warpgroups, 192-row tile
 _case("packgqa", 2, 64, 300, 8, 1, 256, "float16")
 _case("packgqa", 1, 7, 1, 4, 2, 96, "float16")

@@ -218,12 +218,12 @@ class FastSm90Forward:
         """Query heads per KV head packed into one M tile (1: none). Where the query rows of one
         head leave most of the tile empty (seqlen_q <= PACK_GQA_MAX_SEQLEN_Q), packing the group's
         heads fills it and reads each K/V tile once per group instead of once per head. Needs a
-        power-of-two group dividing tile_m (the rows of a tile are (head, query) pairs) and no mask
-        that depends on the query position (causal only with a single query, which sees every key).
+        power-of-two group dividing tile_m (the rows of a tile are (head, query) pairs); causal and
+        window bounds take each row's query position (FlashFwdSm90.q_pos). Not with key ranges or
+        a block-sparse CSR (per-head data and per-tile visit plans), nor varlen.
         DUALATTN_SM90_PACK_GQA=0 turns it off, =1 packs wherever allowed (comparisons)."""
         g = spec.num_heads_q // max(spec.num_heads_kv, 1)
         if (g < 2 or g & (g - 1) or spec.mode != "batched" or spec.has_key_ranges or spec.has_block_sparse
-                or spec.window != (-1, -1) or (spec.causal and spec.seqlen_q != 1)
                 or cls.config(spec)[0] % g):
             return 1
         if _PACK_GQA_ENV == "0":
@@ -243,22 +243,19 @@ class FastSm90Forward:
         name += "" if self.writes_lse(spec) else "_nolse"
         g = self.pack_gqa(spec)
         name += f"_pack{g}" if g > 1 else ""
-        return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal) and g == 1,
+        return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), L2_SECTION_BYTES, arch_string(arch))
 
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
         tile_m, tile_n, stages, pingpong, overlap, persistent, separate_o = self.config(spec)
         wl, wr, sc = self.mask_flags(spec)
-        g = self.pack_gqa(spec)
-        # packed only where no mask depends on the query position: causal with one query (bottom-
-        # right aligned, it sees every key) compiles as non-causal
         return FlashFwdSm90(_cutlass_dtype(spec.dtype), spec.head_dim, spec.head_dim_v,
-                            spec.causal and g == 1, tile_n, stages, pingpong, overlap, persistent, separate_o,
+                            spec.causal, tile_n, stages, pingpong, overlap, persistent, separate_o,
                             window_left=wl, window_right=wr, softcap=sc,
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
-                            num_mma_wg=tile_m // 64, pack_gqa=g)
+                            num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -141,9 +141,8 @@ class FlashFwdSm90:
                  num_mma_wg: int = 2, pack_gqa: int = 1):
         self.dtype = dtype
         # pack_gqa = g > 1: the g query heads of one KV head share the M tile, row r of the tile
-        # being query (m_block * tile_m + r) // g of head r % g (see tensors_from_pointers). Rows
-        # then differ in position, so only masks that ignore the query position are compiled
-        # with it (the key tail; FastSm90Forward.pack_gqa decides)
+        # being query (m_block * tile_m + r) // g of head r % g (see packed_gqa_tensors); the
+        # causal / window bounds then take each row's query position (q_pos)
         self.pack_gqa = pack_gqa
         # consumer warpgroups, 64 query rows each: 2 (tile_m 128) or 3 (tile_m 192: more rows
         # per K/V tile loaded, for small head dims where the loads and the per-tile overheads weigh
@@ -194,8 +193,7 @@ class FlashFwdSm90:
             arch=self.arch,
         )
         assert self.num_mma_regs * self.num_mma_wg * 128 + self.num_producer_regs * 128 <= 65536
-        assert pack_gqa == 1 or (self.tile_m % pack_gqa == 0 and not varlen and not self.mask_right
-                                 and not self.mask_left and not self.dynamic_mask)
+        assert pack_gqa == 1 or (self.tile_m % pack_gqa == 0 and not varlen and not self.dynamic_mask)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -518,16 +516,17 @@ class FlashFwdSm90:
             seqlen_k = vl[1][batch + 1] - offset_k
         head_kv = head // (num_heads // cute.size(mK.shape[2]))
         n_block_max = cute.ceil_div(seqlen_k, BN)
+        # query positions of the tile's first and last rows (rows are positions unless pack_gqa)
+        diag = seqlen_k - self.q_count(seqlen_q)
         if const_expr(self.mask_right):
-            # keys visible to the tile's last row: j < (m_block+1)*BM + Sk - Sq + win_right
+            # keys visible to the tile's last row i: j < i + 1 + Sk - Sq + win_right
             n_block_max = cutlass.min(
                 n_block_max,
-                cute.ceil_div(cutlass.max((m_block + 1) * BM + seqlen_k - seqlen_q + win_right, 0),
-                              BN))
+                cute.ceil_div(cutlass.max(self.q_pos(m_block * BM + BM - 1) + 1 + diag + win_right, 0), BN))
         n_block_min = Int32(0)
         if const_expr(self.mask_left):
             # first key visible to the tile's first row: i + Sk - Sq - win_left
-            n_block_min = cutlass.max(m_block * BM + seqlen_k - seqlen_q - win_left, 0) // BN
+            n_block_min = cutlass.max(self.q_pos(m_block * BM) + diag - win_left, 0) // BN
         if const_expr(self.varlen):
             # the grid covers max_seqlen_q: a tile past this sequence's end loads Q (harmless),
             # visits no key block and stores nothing (row predicates)
@@ -673,9 +672,10 @@ class FlashFwdSm90:
                 n_masked = Int32(0)
                 if n_block_max * BN > seqlen_k:
                     n_masked = Int32(1)
+                diag = seqlen_k - self.q_count(seqlen_q)  # Sk - Sq (in query positions)
                 if const_expr(self.mask_right):
                     # blocks left of the one holding key (first row's last visible key + 1) are full
-                    first_row_limit = m_block * BM + seqlen_k - seqlen_q + win_right + 1
+                    first_row_limit = self.q_pos(m_block * BM) + diag + win_right + 1
                     n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
                     n_masked = cutlass.max(n_block_max - n_block_unmasked_end, n_masked)
                 n_masked = cutlass.min(n_masked, n_blocks)
@@ -683,7 +683,7 @@ class FlashFwdSm90:
                 if const_expr(self.mask_left):
                     # block n is clear of the lower edge for every row iff n * BN >= the first
                     # visible key of the tile's last row
-                    last_row_lo = m_block * BM + BM - 1 + seqlen_k - seqlen_q - win_left
+                    last_row_lo = self.q_pos(m_block * BM + BM - 1) + diag - win_left
                     n_left_clear = cute.ceil_div(cutlass.max(last_row_lo, 0), BN)
                     n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
                     n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
@@ -936,16 +936,34 @@ class FlashFwdSm90:
             self.mask_predicate(ctx, acc_S_mn, col0)
 
     @cute.jit
+    def q_count(self, rows):
+        """Query positions of a slice of ``rows`` rows (rows // g with pack_gqa = g)."""
+        n = rows
+        if const_expr(self.pack_gqa > 1):
+            n = rows // self.pack_gqa
+        return n
+
+    @cute.jit
+    def q_pos(self, row):
+        """Query position of a row of the (head, batch) slice: the row itself, or with pack_gqa = g
+        the row's query, row // g (g a power of two)."""
+        pos = row
+        if const_expr(self.pack_gqa > 1):
+            pos = row // self.pack_gqa
+        return pos
+
+    @cute.jit
     def mask_predicate(self, ctx, acc_S_mn, col0):
         BM = self.tile_m
+        diag = ctx.seqlen_k - self.q_count(ctx.seqlen_q)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-            row = ctx.m_block * BM + ctx.tScS_mn[r, 0][0]
+            row = self.q_pos(ctx.m_block * BM + ctx.tScS_mn[r, 0][0])
             limit = ctx.seqlen_k - col0
             if const_expr(self.mask_right):
-                limit = cutlass.min(limit, row + 1 + ctx.seqlen_k - ctx.seqlen_q + ctx.win_right - col0)
+                limit = cutlass.min(limit, row + 1 + diag + ctx.win_right - col0)
             lo = Int32(0)
             if const_expr(self.mask_left):
-                lo = row + ctx.seqlen_k - ctx.seqlen_q - ctx.win_left - col0
+                lo = row + diag - ctx.win_left - col0
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = ctx.tScS_mn[0, c][1]
                 if const_expr(self.mask_left):
