@@ -516,17 +516,18 @@ class FlashFwdSm90:
             seqlen_k = vl[1][batch + 1] - offset_k
         head_kv = head // (num_heads // cute.size(mK.shape[2]))
         n_block_max = cute.ceil_div(seqlen_k, BN)
-        # query positions of the tile's first and last rows (rows are positions unless pack_gqa)
-        diag = seqlen_k - self.q_count(seqlen_q)
+        # (query positions: the rows themselves unless pack_gqa, see q_pos)
         if const_expr(self.mask_right):
             # keys visible to the tile's last row i: j < i + 1 + Sk - Sq + win_right
             n_block_max = cutlass.min(
                 n_block_max,
-                cute.ceil_div(cutlass.max(self.q_pos(m_block * BM + BM - 1) + 1 + diag + win_right, 0), BN))
+                cute.ceil_div(cutlass.max(self.q_end(m_block) + seqlen_k - self.q_count(seqlen_q) + win_right, 0),
+                              BN))
         n_block_min = Int32(0)
         if const_expr(self.mask_left):
             # first key visible to the tile's first row: i + Sk - Sq - win_left
-            n_block_min = cutlass.max(self.q_pos(m_block * BM) + diag - win_left, 0) // BN
+            n_block_min = cutlass.max(self.q_pos(m_block * BM) + seqlen_k - self.q_count(seqlen_q) - win_left,
+                                      0) // BN
         if const_expr(self.varlen):
             # the grid covers max_seqlen_q: a tile past this sequence's end loads Q (harmless),
             # visits no key block and stores nothing (row predicates)
@@ -672,10 +673,9 @@ class FlashFwdSm90:
                 n_masked = Int32(0)
                 if n_block_max * BN > seqlen_k:
                     n_masked = Int32(1)
-                diag = seqlen_k - self.q_count(seqlen_q)  # Sk - Sq (in query positions)
                 if const_expr(self.mask_right):
                     # blocks left of the one holding key (first row's last visible key + 1) are full
-                    first_row_limit = self.q_pos(m_block * BM) + diag + win_right + 1
+                    first_row_limit = self.q_pos(m_block * BM) + seqlen_k - self.q_count(seqlen_q) + win_right + 1
                     n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
                     n_masked = cutlass.max(n_block_max - n_block_unmasked_end, n_masked)
                 n_masked = cutlass.min(n_masked, n_blocks)
@@ -683,7 +683,7 @@ class FlashFwdSm90:
                 if const_expr(self.mask_left):
                     # block n is clear of the lower edge for every row iff n * BN >= the first
                     # visible key of the tile's last row
-                    last_row_lo = self.q_pos(m_block * BM + BM - 1) + diag - win_left
+                    last_row_lo = self.q_pos(m_block * BM + BM - 1) + seqlen_k - self.q_count(seqlen_q) - win_left
                     n_left_clear = cute.ceil_div(cutlass.max(last_row_lo, 0), BN)
                     n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
                     n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
@@ -944,6 +944,14 @@ class FlashFwdSm90:
         return n
 
     @cute.jit
+    def q_end(self, m_block):
+        """One past the query position of tile ``m_block``'s last row."""
+        end = (m_block + 1) * self.tile_m
+        if const_expr(self.pack_gqa > 1):
+            end = self.q_pos(m_block * self.tile_m + self.tile_m - 1) + 1
+        return end
+
+    @cute.jit
     def q_pos(self, row):
         """Query position of a row of the (head, batch) slice: the row itself, or with pack_gqa = g
         the row's query, row // g (g a power of two)."""
@@ -955,15 +963,14 @@ class FlashFwdSm90:
     @cute.jit
     def mask_predicate(self, ctx, acc_S_mn, col0):
         BM = self.tile_m
-        diag = ctx.seqlen_k - self.q_count(ctx.seqlen_q)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             row = self.q_pos(ctx.m_block * BM + ctx.tScS_mn[r, 0][0])
             limit = ctx.seqlen_k - col0
             if const_expr(self.mask_right):
-                limit = cutlass.min(limit, row + 1 + diag + ctx.win_right - col0)
+                limit = cutlass.min(limit, row + 1 + ctx.seqlen_k - self.q_count(ctx.seqlen_q) + ctx.win_right - col0)
             lo = Int32(0)
             if const_expr(self.mask_left):
-                lo = row + diag - ctx.win_left - col0
+                lo = row + ctx.seqlen_k - self.q_count(ctx.seqlen_q) - ctx.win_left - col0
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = ctx.tScS_mn[0, c][1]
                 if const_expr(self.mask_left):
