@@ -476,7 +476,7 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
 @pytest.mark.compile_only
 def test_pack_gqa_views_fold_the_group_into_rows():
     """With pack_gqa = g, row r of KV head h is query r // g of query head h * g + r % g, in Q, O
-    and LSE alike (FlashFwdSm90.packed_gqa_tensors): probed on CPU tensors like the test above."""
+    and LSE alike (FlashFwdSm90.tensors_from_pointers): probed on CPU tensors like the test above."""
     import cutlass.cute as cute
     from cutlass import Float32
     from cutlass.cute.runtime import make_ptr

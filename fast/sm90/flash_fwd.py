@@ -141,7 +141,7 @@ class FlashFwdSm90:
                  num_mma_wg: int = 2, pack_gqa: int = 1):
         self.dtype = dtype
         # pack_gqa = g > 1: the g query heads of one KV head share the M tile, row r of the tile
-        # being query (m_block * tile_m + r) // g of head r % g (see packed_gqa_tensors); the
+        # being query (m_block * tile_m + r) // g of head r % g (see tensors_from_pointers); the
         # causal / window bounds then take each row's query position (q_pos)
         self.pack_gqa = pack_gqa
         # consumer warpgroups, 64 query rows each: 2 (tile_m 128) or 3 (tile_m 192: more rows
@@ -297,48 +297,32 @@ class FlashFwdSm90:
                               k_stride_b, k_stride_s, k_stride_h, v_stride_b, v_stride_s,
                               v_stride_h):
         """(mQ, mK, mV, mO, mLSE) as ``__call__`` takes them, from raw pointers, shapes and q/k/v
-        strides (called while tracing). O (B, Sq, Hq, Dv) and LSE (B, Hq, Sq) are contiguous."""
-        D, Dv = self.head_dim, self.head_dim_v
-        if const_expr(self.pack_gqa > 1):
-            return self.packed_gqa_tensors(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, batch, seqlen_q, seqlen_k, heads_q,
-                                           heads_kv, q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s,
-                                           k_stride_h, v_stride_b, v_stride_s, v_stride_h)
-        mQ = cute.make_tensor(q_ptr, cute.make_layout(
-            (batch, seqlen_q, heads_q, D), stride=(q_stride_b, q_stride_s, q_stride_h, 1)))
-        mK = cute.make_tensor(k_ptr, cute.make_layout(
-            (batch, seqlen_k, heads_kv, D), stride=(k_stride_b, k_stride_s, k_stride_h, 1)))
-        mV = cute.make_tensor(v_ptr, cute.make_layout(
-            (batch, seqlen_k, heads_kv, Dv), stride=(v_stride_b, v_stride_s, v_stride_h, 1)))
-        o_stride_s = cutlass.Int64(heads_q) * Dv
-        mO = cute.make_tensor(o_ptr, cute.make_layout(
-            (batch, seqlen_q, heads_q, Dv), stride=(o_stride_s * seqlen_q, o_stride_s, Dv, 1)))
-        lse_stride_h = cutlass.Int64(seqlen_q)
-        mLSE = cute.make_tensor(lse_ptr, cute.make_layout(
-            (batch, heads_q, seqlen_q), stride=(lse_stride_h * heads_q, lse_stride_h, 1)))
-        return mQ, mK, mV, mO, mLSE
+        strides (called while tracing). O (B, Sq, Hq, Dv) and LSE (B, Hq, Sq) are contiguous.
 
-    def packed_gqa_tensors(self, q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, batch, seqlen_q, seqlen_k, heads_q,
-                           heads_kv, q_stride_b, q_stride_s, q_stride_h, k_stride_b, k_stride_s, k_stride_h,
-                           v_stride_b, v_stride_s, v_stride_h):
-        """tensors_from_pointers with the g = pack_gqa query heads of each KV head folded into
-        the rows: Q and O become (B, (g, Sq), Hkv, D) (row r = (r % g, r // g): head kv * g + r % g,
-        query r // g) and LSE (B, Hkv, (g, Sq)). To the kernel this is MQA with g * Sq rows per
-        KV head: one tile carries g heads' queries against one K/V tile stream, and the TMA
-        boxes of Q and O gain one dimension (the g heads of a query are adjacent in memory)."""
+        With pack_gqa = g > 1 the g query heads of each KV head fold into the rows: Q and O become
+        (B, (g, Sq), Hkv, D) (row r = (r % g, r // g): head kv * g + r % g, query r // g) and LSE
+        (B, Hkv, (g, Sq)). To the kernel this is MQA with g * Sq rows per KV head: one tile carries
+        g heads' queries against one K/V tile stream, and the TMA boxes of Q and O gain one
+        dimension (the g heads of a query are adjacent in memory)."""
         D, Dv, g = self.head_dim, self.head_dim_v, self.pack_gqa
-        rows = (g, seqlen_q)
+        o_stride_s = cutlass.Int64(heads_q) * Dv
+        lse_stride_h = cutlass.Int64(seqlen_q)
+        # (row mode, its Q, O, LSE strides) and (heads, their Q, O, LSE strides)
+        rows, q_rs, o_rs, lse_rs = seqlen_q, q_stride_s, o_stride_s, 1
+        heads, q_hs, o_hs, lse_hs = heads_q, q_stride_h, Dv, lse_stride_h
+        if const_expr(g > 1):
+            rows, q_rs, o_rs, lse_rs = (g, seqlen_q), (q_stride_h, q_stride_s), (Dv, o_stride_s), (lse_stride_h, 1)
+            heads, q_hs, o_hs, lse_hs = heads_kv, q_stride_h * g, Dv * g, lse_stride_h * g
         mQ = cute.make_tensor(q_ptr, cute.make_layout(
-            (batch, rows, heads_kv, D), stride=(q_stride_b, (q_stride_h, q_stride_s), q_stride_h * g, 1)))
+            (batch, rows, heads, D), stride=(q_stride_b, q_rs, q_hs, 1)))
         mK = cute.make_tensor(k_ptr, cute.make_layout(
             (batch, seqlen_k, heads_kv, D), stride=(k_stride_b, k_stride_s, k_stride_h, 1)))
         mV = cute.make_tensor(v_ptr, cute.make_layout(
             (batch, seqlen_k, heads_kv, Dv), stride=(v_stride_b, v_stride_s, v_stride_h, 1)))
-        o_stride_s = cutlass.Int64(heads_q) * Dv
         mO = cute.make_tensor(o_ptr, cute.make_layout(
-            (batch, rows, heads_kv, Dv), stride=(o_stride_s * seqlen_q, (Dv, o_stride_s), Dv * g, 1)))
-        lse_stride_h = cutlass.Int64(seqlen_q)
+            (batch, rows, heads, Dv), stride=(o_stride_s * seqlen_q, o_rs, o_hs, 1)))
         mLSE = cute.make_tensor(lse_ptr, cute.make_layout(
-            (batch, heads_kv, rows), stride=(lse_stride_h * heads_q, lse_stride_h * g, (lse_stride_h, 1))))
+            (batch, heads, rows), stride=(lse_stride_h * heads_q, lse_hs, lse_rs)))
         return mQ, mK, mV, mO, mLSE
 
     @cute.jit
