@@ -109,6 +109,9 @@ CASES: List[Case] = [
     Case("239x1", _dense(239, 1)),
     Case("gqa 4:1", _dense(96, 160, hq=8, hkv=2)),
     Case("mqa", _dense(64, 64, hq=4, hkv=1)),
+    # short query blocks of a GQA group: fast-sm90 packs the group's heads into one tile
+    Case("gqa 4:1 short queries", _dense(24, 300, hq=8, hkv=2, big=(48, 4096, 32))),
+    Case("gqa 8:1 short queries, causal", _dense(9, 200, hq=8, hkv=1, causal=True, big=(33, 2048, 32))),
     Case("causal sq<sk", _dense(70, 130, causal=True)),
     Case("causal sq>sk (empty rows)", _dense(150, 90, causal=True)),
     Case("window (32,8)", _dense(160, 160, window=(32, 8))),
