@@ -531,3 +531,21 @@ def test_pack_gqa_choice():
                                                   "cuda")) == 1          # group of 3
     assert FastSm90Forward.pack_gqa(AttentionSpec("batched", 1, 16, 99, 4, 4, 64, 64, torch.bfloat16,
                                                   "cuda")) == 1          # MHA
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d,hq,hkv,causal,window", [(128, 32, 8, False, (-1, -1)), (128, 16, 4, True, (-1, -1)),
+                                                     (64, 16, 2, False, (40, 0)), (256, 8, 1, True, (-1, -1))])
+def test_pack_gqa_kernels_compile_with_a_5d_q_box(d, hq, hkv, causal, window):
+    # the packed Q and O views add the group as a TMA dimension: Q loads (and the O store) are
+    # 5-D boxes, K/V stay 4-D; the main loop is the dense one (wgmma in a loop)
+    spec = AttentionSpec("batched", 2, 37, 300, hq, hkv, d, d, torch.bfloat16, "cuda", causal=causal,
+                         window=window, return_lse=True)
+    g = FastSm90Forward.pack_gqa(spec)
+    assert g == hq // hkv
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    assert re.search(r"cp\.async\.bulk\.tensor\.5d\.shared::cta\.global", ptx)   # Q
+    assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global", ptx)   # K, V
+    assert re.search(r"cp\.async\.bulk\.tensor\.5d\.global\.shared::cta", ptx)   # O store
+    assert _loops_with(ptx, "wgmma.mma_async") >= 1

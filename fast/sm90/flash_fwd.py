@@ -26,7 +26,9 @@ row-predicated stores instead of the TMA store), key ranges and block-sparse (a 
 plan computed identically by the producer warp and each consumer warp; a run-time mask decision
 per key tile), head dims with Dv != D.
 
-GQA: the kernel maps query head h to KV head h // (Hq // Hkv) when it builds the K/V views.
+GQA: the kernel maps query head h to KV head h // (Hq // Hkv) when it builds the K/V views; with
+pack_gqa = g (short query blocks, FastSm90Forward.pack_gqa) the g query heads of a KV head share
+the M tile instead (tensors_from_pointers folds them into the rows; masks use q_pos).
 Sequence lengths, batch and head counts are dynamic (one compile serves every shape).
 """
 from __future__ import annotations
