@@ -52,9 +52,9 @@ def main():
     for sq in (int(x) for x in a.sq.split(",")):
         for causal in (False, True):
             q = torch.randn(B, sq, hq, D, device="cuda", dtype=torch.bfloat16)
-            g = FastSm90Forward.pack_gqa(build_dense(q, k, v, causal=causal).spec)
-            row = f"Sq={sq:<4}{' causal' if causal else '       '} default pack={g}:"
-            impl = dispatch.select(build_dense(q, k, v, causal=causal).spec, "fast")
+            spec = build_dense(q, k, v, causal=causal).spec
+            row = f"Sq={sq:<4}{' causal' if causal else '       '} default pack={FastSm90Forward.pack_gqa(spec)}:"
+            impl = dispatch.select(spec, "fast")
             for label, env in (("packed", "1"), ("unpacked", "0")):
                 sm90._PACK_GQA_ENV = env
                 impl._entries.clear()  # the per-spec launch memo holds the kernel chosen before
