@@ -169,7 +169,8 @@ class FlashBwdSm80(PackedEntry):
 
     def __init__(self, dtype, head_dim: int, cfg: BwdTileConfig, *, varlen: bool, has_left: bool,
                  has_right: bool, deterministic: bool, vec_red: bool = False, has_softcap: bool = False,
-                 num_key_ranges: int = 0, block_sparse: bool = False, d_slice: int = 0, rotate_m: bool = False):
+                 num_key_ranges: int = 0, block_sparse: bool = False, d_slice: int = 0, rotate_m: bool = False,
+                 defer_dq: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         # the columns of dK, dV and dQ this kernel computes: slice d_slice of cfg.d_split
@@ -195,6 +196,11 @@ class FlashBwdSm80(PackedEntry):
         # own order) nor deterministic mode (whose semaphores have the key blocks add in ascending
         # order: rotation would serialise them)
         self.rotate_m = rotate_m and not block_sparse and not deterministic
+        # defer_dq: the dQ atomics of step m are issued between the MMAs of step m+1's S^T product
+        # instead of back to back at the end of step m, where they filled the LSU queue (lg-throttle
+        # stalls) while the tensor pipe idled. Not in deterministic mode (its semaphore orders the
+        # adds of a step before its release)
+        self.defer_dq = defer_dq and not deterministic
         warps = self.num_threads // 32
         # each warp owns tile_n / warps key rows (16 or 32): its rows of S^T, dP^T, dK, dV
         assert self.tile_n % (16 * warps) == 0 and self.tile_n // warps in (16, 32)
@@ -423,6 +429,10 @@ class FlashBwdSm80(PackedEntry):
                 self.load_q_step(*qargs, mb0, h0, Int32(0), True, True)
             cute.arch.cp_async_commit_group()
 
+            # defer_dq: the previous step's dQ tile (in acc_dQ) and where it goes; no rows before step 0
+            acc_dQ = cute.make_rmem_tensor(thr_q.partition_shape_C((tile_m, Do)), Float32)
+            pend_base = Int32(0)
+            pend_rows = Int32(0)
             for it in cutlass.range(n_iters, unroll=1):
                 head, m_block, is_mask_entry, lock = self.step_at(it, *vis, m_rot)
                 stg = Int32(0)
@@ -443,8 +453,11 @@ class FlashBwdSm80(PackedEntry):
 
                 acc_S = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, tile_m)), Float32)
                 acc_S.fill(0.0)
+                pending = None
+                if cutlass.const_expr(self.defer_dq):
+                    pending = (mdQ, acc_dQ, tQcdQ, pend_base, heads_q * D, pend_rows)
                 self.gemm_ss(mma_kv, acc_S, ld_a, ld_b, tSsK, tSrK_v, tSsQ[None, None, None, stg], tSrQ_v,
-                             tSrK, tSrQ)
+                             tSrK, tSrQ, pending)
                 acc_dP = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, tile_m)), Float32)
                 acc_dP.fill(0.0)
                 self.gemm_ss(mma_kv, acc_dP, ld_a, ld_b, tSsV, tSrV_v, tSsdO[None, None, None, stg], tSrdO_v,
@@ -506,7 +519,6 @@ class FlashBwdSm80(PackedEntry):
                 cute.copy(r2s, thr_r2s.retile(rdS), tdSsdS[None, None, None, dstg])
                 bar.arrive_and_wait()  # B4: dS^T complete in smem
 
-                acc_dQ = cute.make_rmem_tensor(thr_q.partition_shape_C((tile_m, Do)), Float32)
                 acc_dQ.fill(0.0)
                 self.gemm_ss(mma_q, acc_dQ, ld_qa_t, ld_qb_t, tQsdS[None, None, None, dstg], tQrdS_v, tQsKt,
                              tQrKt_v, tQrdS, tQrKt)
@@ -519,36 +531,42 @@ class FlashBwdSm80(PackedEntry):
                         self.load_q_step(*qargs, mb1, h1, Int32(0), False, True)
                     cute.arch.cp_async_commit_group()
 
+                row_base = (q_start + m_block * tile_m) * heads_q * D + head * D + d0
+                if cutlass.const_expr(self.defer_dq):
+                    pend_base = row_base
+                    pend_rows = seqlen_q - m_block * tile_m  # <= 0 past the sequence: nothing is added
                 # a CSR query block may reach past the sequence: its tiles there add nothing and, for
                 # every visitor alike, touch no semaphore (the array has ceil(seqlen_q / tile_m) per head)
-                if m_block * tile_m < seqlen_q:
-                    sem_idx = (batch * heads_q + head) * n_mblocks + m_block
-                    if cutlass.const_expr(self.deterministic):
-                        rank = Int32(0)
-                        if cutlass.const_expr(self.block_sparse):
-                            # the entry's lock value ranks its CSR key block among the query block's
-                            # visitors (ascending key blocks); each covers bs_ratio_n key tiles
-                            rank = lock * bs_ratio_n + (n_block - kb * bs_ratio_n)
-                        else:
-                            n_min, _ = n_block_range(m_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left,
-                                                     win_right, self.has_left, self.has_right)
-                            rank = n_block - n_min
-                        if tidx == 0:
-                            cur = cute.arch.load((mSem.iterator + sem_idx).llvm_ptr, Int32, sem="acquire",
-                                                 scope="gpu")
-                            while cur != rank:
+                if cutlass.const_expr(not self.defer_dq):
+                    if m_block * tile_m < seqlen_q:
+                        sem_idx = (batch * heads_q + head) * n_mblocks + m_block
+                        if cutlass.const_expr(self.deterministic):
+                            rank = Int32(0)
+                            if cutlass.const_expr(self.block_sparse):
+                                # the entry's lock value ranks its CSR key block among the query block's
+                                # visitors (ascending key blocks); each covers bs_ratio_n key tiles
+                                rank = lock * bs_ratio_n + (n_block - kb * bs_ratio_n)
+                            else:
+                                n_min, _ = n_block_range(m_block, tile_m, tile_n, seqlen_q, seqlen_k, win_left,
+                                                         win_right, self.has_left, self.has_right)
+                                rank = n_block - n_min
+                            if tidx == 0:
                                 cur = cute.arch.load((mSem.iterator + sem_idx).llvm_ptr, Int32, sem="acquire",
                                                      scope="gpu")
-                        bar.arrive_and_wait()
-                    row_base = (q_start + m_block * tile_m) * heads_q * D + head * D + d0
-                    self.red_dq(mdQ, acc_dQ, tQcdQ, row_base, heads_q * D, seqlen_q - m_block * tile_m)
-                    if cutlass.const_expr(self.deterministic):
-                        cute.arch.fence_acq_rel_gpu()  # this thread's adds are visible before the release
-                        bar.arrive_and_wait()
-                        if tidx == 0:
-                            cute.arch.red((mSem.iterator + sem_idx).llvm_ptr, Int32(1), op="add", dtype=Int32,
-                                          sem="release", scope="gpu")
+                                while cur != rank:
+                                    cur = cute.arch.load((mSem.iterator + sem_idx).llvm_ptr, Int32, sem="acquire",
+                                                         scope="gpu")
+                            bar.arrive_and_wait()
+                        self.red_dq(mdQ, acc_dQ, tQcdQ, row_base, heads_q * D, seqlen_q - m_block * tile_m)
+                        if cutlass.const_expr(self.deterministic):
+                            cute.arch.fence_acq_rel_gpu()  # this thread's adds are visible before the release
+                            bar.arrive_and_wait()
+                            if tidx == 0:
+                                cute.arch.red((mSem.iterator + sem_idx).llvm_ptr, Int32(1), op="add", dtype=Int32,
+                                              sem="release", scope="gpu")
 
+            if cutlass.const_expr(self.defer_dq):
+                self.red_dq(mdQ, acc_dQ, tQcdQ, pend_base, heads_q * D, pend_rows)  # the last step's dQ
             # ---- epilogue: dK (scale already folded into dS), dV -> dtype -> smem (K, V tiles) -> global
             cute.arch.cp_async_wait_group(0)
             bar.arrive_and_wait()
@@ -579,12 +597,14 @@ class FlashBwdSm80(PackedEntry):
     # ------------------------------------------------------------------ helpers
     @cute.jit
     def red_dq(self, mdQ: cute.Tensor, acc_dQ: cute.Tensor, tQcdQ: cute.Tensor, row_base: Int32, row_stride: Int32,
-               rows_left: Int32):
-        """fp32 atomic adds of this thread's dQ elements (rows below ``rows_left``) into the accumulator."""
+               rows_left: Int32, part: cutlass.Constexpr = 0, parts: cutlass.Constexpr = 1):
+        """fp32 atomic adds of this thread's dQ elements (rows below ``rows_left``) into the accumulator;
+        only share ``part`` of ``parts`` of them (interleaved with another product's MMAs)."""
         if cutlass.const_expr(self.vec_red):
             # elements (2j, 2j+1) of an m16n8 accumulator are adjacent columns of one row: one
             # 8-byte vector reduction each
-            for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+            n2 = cute.size(acc_dQ) // 2
+            for j in cutlass.range_constexpr(part * n2 // parts, (part + 1) * n2 // parts):
                 rr, cc = tQcdQ[2 * j]
                 if rr < rows_left:
                     v = vector.from_elements(ir.VectorType.get([2], Float32.mlir_type),
@@ -592,7 +612,8 @@ class FlashBwdSm80(PackedEntry):
                     cute.arch.red((mdQ.iterator + (row_base + rr * row_stride + cc)).llvm_ptr, v, op="add",
                                   dtype=Float32, sem="relaxed", scope="gpu")
         else:
-            for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            n1 = cute.size(acc_dQ)
+            for i in cutlass.range_constexpr(part * n1 // parts, (part + 1) * n1 // parts):
                 rr, cc = tQcdQ[i]
                 if rr < rows_left:
                     cute.arch.red((mdQ.iterator + (row_base + rr * row_stride + cc)).llvm_ptr, acc_dQ[i],
@@ -747,15 +768,19 @@ class FlashBwdSm80(PackedEntry):
                     acc_mn[r, c] = -Float32.inf
 
     @cute.jit
-    def gemm_ss(self, tiled_mma, acc, ld_a, ld_b, tAs, tAr_v, tBs, tBr_v, tAr, tBr):
-        """acc += A B^T, both operands from smem; ldmatrix of k-slice k+1 overlaps mma of k."""
+    def gemm_ss(self, tiled_mma, acc, ld_a, ld_b, tAs, tAr_v, tBs, tBr_v, tAr, tBr, pending=None):
+        """acc += A B^T, both operands from smem; ldmatrix of k-slice k+1 overlaps mma of k.
+        ``pending``: red_dq arguments of a dQ tile whose atomics are spread over the k-slices."""
+        n_k = cute.size(tAs.shape[2])
         cute.copy(ld_a, tAs[None, None, 0], tAr_v[None, None, 0])
         cute.copy(ld_b, tBs[None, None, 0], tBr_v[None, None, 0])
-        for k in cutlass.range_constexpr(cute.size(tAs.shape[2])):
-            k_next = (k + 1) % cute.size(tAs.shape[2])
+        for k in cutlass.range_constexpr(n_k):
+            k_next = (k + 1) % n_k
             cute.copy(ld_a, tAs[None, None, k_next], tAr_v[None, None, k_next])
             cute.copy(ld_b, tBs[None, None, k_next], tBr_v[None, None, k_next])
             cute.gemm(tiled_mma, acc, tAr[None, None, k], tBr[None, None, k], acc)
+            if cutlass.const_expr(pending is not None):
+                self.red_dq(*pending, k, n_k)
 
     @cute.jit
     def gemm_rs(self, tiled_mma, acc, ld_b, tAr, tBs, tBr_v, tBr):

@@ -62,7 +62,7 @@ def compile_key(spec, arch: int, d_slice: int = 0) -> tuple:
     has_left, has_right, _, _ = _window_bounds(spec)
     return ("bwd", str(spec.dtype), spec.head_dim, tile_for(spec), spec.mode == "varlen",
             has_left, has_right, bool(spec.deterministic), spec.softcap > 0, spec.num_key_ranges,
-            spec.has_block_sparse, _vector_reductions(arch), d_slice, _rotate_m(spec), arch)
+            spec.has_block_sparse, _vector_reductions(arch), d_slice, _rotate_m(spec), _defer_dq(spec), arch)
 
 
 def _rotate_m(spec) -> bool:
@@ -77,6 +77,13 @@ def _rotate_m(spec) -> bool:
     return (env == "1" or (env == "" and not banded)) and not spec.deterministic and not spec.has_block_sparse
 
 
+def _defer_dq(spec) -> bool:
+    """The dQ atomics of a step go out between the next step's S^T MMAs (FlashBwdSm80.defer_dq).
+    DUALATTN_SM120_BWD_DEFER_DQ=0|1 overrides (comparisons)."""
+    env = os.environ.get("DUALATTN_SM120_BWD_DEFER_DQ", "")
+    return (env != "0") and not spec.deterministic
+
+
 def _vector_reductions(arch: int) -> bool:
     """dQ by red.global.add.v2.f32 (sm_90+) rather than scalar reductions; DUALATTN_SM120_VEC_RED=0|1
     overrides (tuning)."""
@@ -85,11 +92,12 @@ def _vector_reductions(arch: int) -> bool:
 
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
-    _, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, d_slice, rot, _ = key
+    (_, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, d_slice, rot,
+     defer, _) = key
     cdt = _cutlass_dtype(dt)
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
                         vec_red=vec_red, has_softcap=has_softcap, num_key_ranges=num_kr,
-                        block_sparse=block_sparse, d_slice=d_slice, rotate_m=rot)
+                        block_sparse=block_sparse, d_slice=d_slice, rotate_m=rot, defer_dq=defer)
 
 
 def _ptr(dt, align):
