@@ -170,7 +170,7 @@ class FlashBwdSm80(PackedEntry):
     def __init__(self, dtype, head_dim: int, cfg: BwdTileConfig, *, varlen: bool, has_left: bool,
                  has_right: bool, deterministic: bool, vec_red: bool = False, has_softcap: bool = False,
                  num_key_ranges: int = 0, block_sparse: bool = False, d_slice: int = 0, rotate_m: bool = False,
-                 defer_dq: bool = False):
+                 defer_dq: bool = False, early_s: bool = False):
         self.dtype = dtype
         self.head_dim = head_dim
         # the columns of dK, dV and dQ this kernel computes: slice d_slice of cfg.d_split
@@ -201,6 +201,10 @@ class FlashBwdSm80(PackedEntry):
         # stalls) while the tensor pipe idled. Not in deterministic mode (its semaphore orders the
         # adds of a step before its release)
         self.defer_dq = defer_dq and not deterministic
+        # early_s: with dO issued after the dQ product (one stage, dS^T over dO), a step waits for
+        # Q only, computes S^T, and waits for dO just before dP^T: the dO load overlaps the S^T
+        # product instead of being waited for whole at the top of the step
+        self.early_s = early_s and self.stages == 1 and self.ds_in_do
         warps = self.num_threads // 32
         # each warp owns tile_n / warps key rows (16 or 32): its rows of S^T, dP^T, dK, dV
         assert self.tile_n % (16 * warps) == 0 and self.tile_n // warps in (16, 32)
@@ -426,8 +430,13 @@ class FlashBwdSm80(PackedEntry):
             self.load_rows(g2s, thr_g2s.partition_S(gV), tVsV, tKcK, seqlen_k)
             if n_iters > 0:
                 h0, mb0, _, _ = self.step_at(Int32(0), *vis, m_rot)
-                self.load_q_step(*qargs, mb0, h0, Int32(0), True, True)
+                self.load_q_step(*qargs, mb0, h0, Int32(0), True, not self.early_s)
             cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(self.early_s):  # dO in a group of its own, as in every later step
+                if n_iters > 0:
+                    h0d, mb0d, _, _ = self.step_at(Int32(0), *vis, m_rot)
+                    self.load_q_step(*qargs, mb0d, h0d, Int32(0), False, True)
+                cute.arch.cp_async_commit_group()
 
             # defer_dq: the previous step's dQ tile (in acc_dQ) and where it goes; no rows before step 0
             acc_dQ = cute.make_rmem_tensor(thr_q.partition_shape_C((tile_m, Do)), Float32)
@@ -441,7 +450,8 @@ class FlashBwdSm80(PackedEntry):
                 dstg = Int32(0)  # the dS^T stage
                 if cutlass.const_expr(self.ds_in_do):
                     dstg = stg
-                cute.arch.cp_async_wait_group(0)
+                # early_s: only Q (+ LSE2, delta) has to be here; dO (the most recent group) may still load
+                cute.arch.cp_async_wait_group(1 if self.early_s else 0)
                 # B1: this step's loads landed; every warp is done with the previous step (its dQ read
                 # dS^T, its GEMMs read the other stage), so that stage / dS^T may be overwritten
                 bar.arrive_and_wait()
@@ -458,6 +468,9 @@ class FlashBwdSm80(PackedEntry):
                     pending = (mdQ, acc_dQ, tQcdQ, pend_base, heads_q * D, pend_rows)
                 self.gemm_ss(mma_kv, acc_S, ld_a, ld_b, tSsK, tSrK_v, tSsQ[None, None, None, stg], tSrQ_v,
                              tSrK, tSrQ, pending)
+                if cutlass.const_expr(self.early_s):
+                    cute.arch.cp_async_wait_group(0)
+                    bar.arrive_and_wait()  # B2: dO landed (every thread's share of it)
                 acc_dP = cute.make_rmem_tensor(thr_kv.partition_shape_C((tile_n, tile_m)), Float32)
                 acc_dP.fill(0.0)
                 self.gemm_ss(mma_kv, acc_dP, ld_a, ld_b, tSsV, tSrV_v, tSsdO[None, None, None, stg], tSrdO_v,

@@ -62,7 +62,7 @@ def compile_key(spec, arch: int, d_slice: int = 0) -> tuple:
     has_left, has_right, _, _ = _window_bounds(spec)
     return ("bwd", str(spec.dtype), spec.head_dim, tile_for(spec), spec.mode == "varlen",
             has_left, has_right, bool(spec.deterministic), spec.softcap > 0, spec.num_key_ranges,
-            spec.has_block_sparse, _vector_reductions(arch), d_slice, _rotate_m(spec), _defer_dq(spec), arch)
+            spec.has_block_sparse, _vector_reductions(arch), d_slice, _rotate_m(spec), _defer_dq(spec), _early_s(), arch)
 
 
 def _rotate_m(spec) -> bool:
@@ -84,6 +84,11 @@ def _defer_dq(spec) -> bool:
     return (env != "0") and not spec.deterministic
 
 
+def _early_s() -> bool:
+    """S^T before waiting for dO (FlashBwdSm80.early_s). DUALATTN_SM120_BWD_EARLY_S=0|1 overrides."""
+    return os.environ.get("DUALATTN_SM120_BWD_EARLY_S", "") != "0"
+
+
 def _vector_reductions(arch: int) -> bool:
     """dQ by red.global.add.v2.f32 (sm_90+) rather than scalar reductions; DUALATTN_SM120_VEC_RED=0|1
     overrides (tuning)."""
@@ -93,11 +98,12 @@ def _vector_reductions(arch: int) -> bool:
 
 def build_kernel(key: tuple) -> FlashBwdSm80:
     (_, dt, d, cfg, varlen, has_left, has_right, det, has_softcap, num_kr, block_sparse, vec_red, d_slice, rot,
-     defer, _) = key
+     defer, early_s, _) = key
     cdt = _cutlass_dtype(dt)
     return FlashBwdSm80(cdt, d, cfg, varlen=varlen, has_left=has_left, has_right=has_right, deterministic=det,
                         vec_red=vec_red, has_softcap=has_softcap, num_key_ranges=num_kr,
-                        block_sparse=block_sparse, d_slice=d_slice, rotate_m=rot, defer_dq=defer)
+                        block_sparse=block_sparse, d_slice=d_slice, rotate_m=rot, defer_dq=defer,
+                        early_s=early_s)
 
 
 def _ptr(dt, align):
