@@ -318,5 +318,39 @@ def test_bwd_query_tile_rotation_choice(monkeypatch):
     assert _rotate_m(_spec(causal=True)) and not _rotate_m(_spec(causal=True, deterministic=True))
     # the kernel refuses it on its own where the order matters, whatever the key says
     key = list(compile_key(_spec(deterministic=True), 90))
-    key[-2] = True
+    key[-4] = True  # (.., rotate_m, defer_dq, early_s, arch)
     assert not build_kernel(tuple(key)).rotate_m
+
+
+def test_bwd_deferred_dq_and_early_s_choice(monkeypatch):
+    """The dQ atomics are deferred into the next step's S^T product except in deterministic mode
+    (whose semaphore orders them); S^T runs before dO is waited for where dO loads after the dQ
+    product (one stage, dS^T over dO: hd128), not with two stages (hd64)."""
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120.bwd_impl import build_kernel, compile_key
+    for env in ("DUALATTN_SM120_BWD_DEFER_DQ", "DUALATTN_SM120_BWD_EARLY_S"):
+        monkeypatch.delenv(env, raising=False)
+    k128 = build_kernel(compile_key(_spec(), 90))
+    assert k128.defer_dq and k128.early_s
+    assert not build_kernel(compile_key(_spec(deterministic=True), 90)).defer_dq
+    k64 = build_kernel(compile_key(_spec(head_dim=64, head_dim_v=64), 90))
+    assert k64.defer_dq and not k64.early_s
+    key = list(compile_key(_spec(deterministic=True), 90))
+    key[-3] = True  # forced on: the kernel still refuses it in deterministic mode
+    assert not build_kernel(tuple(key)).defer_dq
+    monkeypatch.setenv("DUALATTN_SM120_BWD_DEFER_DQ", "0")
+    monkeypatch.setenv("DUALATTN_SM120_BWD_EARLY_S", "0")
+    k128 = build_kernel(compile_key(_spec(), 90))
+    assert not k128.defer_dq and not k128.early_s
+
+
+def test_bwd_causal_grid_order_by_length():
+    """Causal calls up to 2k keys launch key blocks fastest (their Q / dO shared in L2), longer ones
+    key blocks slowest (longest first); a window keeps key blocks slowest at any length."""
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm120.bwd_impl import CAUSAL_KEYS_FASTEST_MAX_SEQLEN, tile_for
+    n = CAUSAL_KEYS_FASTEST_MAX_SEQLEN
+    assert not tile_for(_spec(causal=True, seqlen_q=n, seqlen_k=n)).n_slowest
+    assert tile_for(_spec(causal=True, seqlen_q=n + 1, seqlen_k=n + 1)).n_slowest
+    assert tile_for(_spec(window=(64, 0), seqlen_q=300, seqlen_k=300)).n_slowest
+    assert not tile_for(_spec(seqlen_q=8192, seqlen_k=8192)).n_slowest

@@ -20,8 +20,15 @@ Loads overlap the math in one of two schedules (the tile config picks, see bwd_t
   so they land during all of step m's math;
 * one stage with dS^T over dO (hd128, where K + V leave no room for a second stage): once dV and
   dK of step m are done, Q[m+1] is issued and dS^T is written where dO was; once the dQ product
-  has read dS^T, dO[m+1] is issued, and it loads during step m's dQ atomics. (Issuing dO[m+1] at
-  the top of step m+1 instead left its load, and a reload of its spilled address, exposed.)
+  has read dS^T, dO[m+1] is issued in a cp.async group of its own. Step m+1 waits for Q only,
+  computes S^T, and waits for dO just before dP^T (early_s), so the dO load overlaps the S^T
+  product. (Issuing dO[m+1] at the top of step m+1 instead left its load, and a reload of its
+  spilled address, exposed.)
+
+The dQ atomics of step m go out between the MMAs of step m+1's S^T product (defer_dq; the last
+step's after the loop): issued back to back at the end of a step they filled the LSU queue
+(lg-throttle stalls) while the tensor pipe idled. Deterministic mode keeps them in place, where
+the semaphore orders them. H100, hd128, both together: 4k 248 -> 268 TFLOP/s, 16k 264 -> 280.
 
 GQA: the query heads of a group are looped inside the CTA (dK/dV stay in registers across them)
 instead of writing per-query-head fp32 partials and reducing: no extra HBM traffic or buffer of
@@ -97,9 +104,10 @@ class BwdTileConfig:
 #           FA2 (64 x 128 with 16-row warps: 0.75-0.80x; 32 x 128 with 4 warps: 0.81-1.00x).
 #   hd 128: 32 key rows per warp would need 256 dK/dV registers, so 16; K + V take 64 KB;
 #           64 x 128 single-buffered with dS^T written over the dO tile once dK is done (96 KB):
-#           the next Q loads while dS^T is stored and dQ runs, the next dO during the dQ atomics.
-#           H100 (2026-11-24, after the launch, LSE-load and dO-schedule fixes): 0.85-1.00x FA2;
-#           32 x 128 double-buffered (also 96 KB, no spill): 0.78-0.99x.
+#           the next Q loads while dS^T is stored and dQ runs, the next dO during the next S^T.
+#           H100 (2026-11-24, with defer_dq and early_s): 0.90-1.02x FA2 (three runs, 1k-16k,
+#           causal and not); 32 x 128 double-buffered (also 96 KB, no spill; before those two
+#           changes): 0.78-0.99x.
 #   hd 32 : 64 x 256, 8 warps of 32 key rows, double-buffered: 80 KB (dQ warp grid 4 x 2, as
 #           D = 32 holds only two 16-column warps).
 #   hd 96 : 64 x 128 single-buffered with its own dS^T tile (88 KB; a 128 x 64 dS^T does not fit
@@ -111,7 +119,9 @@ class BwdTileConfig:
 # fastest the running CTAs share their head's Q/dO in L2. Each entry uses the order it was
 # measured fastest with: hd128 without a causal/window band keeps key blocks fastest, with one
 # key blocks slowest (H100, one run, causal 4k-16k: 0.87-0.94x FA2 against 0.85-0.89x; without a
-# band key blocks slowest lost at 1k and 16k: 0.86 / 0.80 against 1.02 / 0.86).
+# band key blocks slowest lost at 1k and 16k: 0.86 / 0.80 against 1.02 / 0.86). A causal call of
+# at most 2k keys counts as unbanded here (bwd_impl.CAUSAL_KEYS_FASTEST_MAX_SEQLEN: its Q / dO do
+# not fit L2 when every running CTA is on another head).
 # DUALATTN_SM120_BWD_TILES="128:64,128,256,2,1,1,0;64:..." overrides entries by head dim (tuning):
 # tile_m, tile_n, threads, dq_warps_m, stages, ds_in_do[, n_slowest[, d_split]].
 def bwd_tile_config(head_dim: int, block_n: int = 0, banded: bool = False) -> BwdTileConfig:
