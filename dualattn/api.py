@@ -66,11 +66,45 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None
         return ops.attention(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale,
                              key_ranges=key_ranges, block_sparse=block_sparse, deterministic=deterministic,
                              return_lse=return_lse, impl=impl)
+    needs_grad = _needs_grad(q, k, v)
+    launch_key = hit = None
+    if not needs_grad and key_ranges is None and block_sparse is None and debug.current_mode() is None:
+        # a repeated inference call: the launcher remembered for exactly these arguments (shapes,
+        # strides, dtypes, devices, flags) skips the checks, the dispatch and the output / argument
+        # set-up that depend on nothing else (the issue's host-time target); first calls, and
+        # implementations without one, take the path below
+        launch_key = spec_mod.dense_memo_key(q, k, v, causal, window, softcap, scale, deterministic, return_lse,
+                                             False)
+        if launch_key is not None:
+            launch_key = (launch_key, q.stride(), k.stride(), v.stride(), impl)
+            try:
+                hit = dispatch.LAUNCH_MEMO.get(launch_key)
+            except TypeError:  # an unhashable argument: the checks below say what is wrong with it
+                hit, launch_key = None, None
+            if hit is not None:
+                snap, reg = hit[0], dispatch._REGISTRY
+                if not (snap[0] is reg["fast"] and snap[1] is reg["triton"] and snap[2] is reg["torch"]):
+                    hit = None  # a family list was swapped (tests): decide and remember anew
+                elif hit[1] is not None:
+                    res = hit[1](q, k, v)
+                    if res is not None:  # None: these tensors need what the full path does (a copy)
+                        return res if return_lse else res[0]
     call = spec_mod.build_dense(q, k, v, causal=causal, window=window, softcap=softcap, scale=scale,
                                 key_ranges=key_ranges, block_sparse=block_sparse, deterministic=deterministic,
-                                return_lse=return_lse, needs_grad=_needs_grad(q, k, v))
+                                return_lse=return_lse, needs_grad=needs_grad)
     out, lse = run_call(call, impl)
+    if launch_key is not None and hit is None:
+        _remember_launcher(launch_key, call, impl)
     return (out, lse) if return_lse else out
+
+
+def _remember_launcher(launch_key, call, impl: str) -> None:
+    """Keep the chosen implementation's launcher for these arguments (None: it offers none)."""
+    make = getattr(dispatch.select(call.spec, impl), "direct_launcher", None)
+    memo = dispatch.LAUNCH_MEMO
+    if len(memo) >= 1024:  # keys hold shapes: keep it bounded
+        memo.clear()
+    memo[launch_key] = (dispatch.registry_snapshot(), make(call) if make is not None else None)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

@@ -38,6 +38,16 @@ _PROVIDERS = {
 }
 
 
+# api.attention's per-signature launchers: (registry_snapshot(), launcher or None) by the call's
+# arguments (dense checks' key, strides, impl); cleared with every registration, and a swapped
+# family list (tests) is caught by the snapshot
+LAUNCH_MEMO: Dict[tuple, tuple] = {}
+
+
+def registry_snapshot() -> tuple:
+    return (_REGISTRY["fast"], _REGISTRY["triton"], _REGISTRY["torch"])
+
+
 def register(impl) -> object:
     fam = impl.family
     if fam not in _REGISTRY:
@@ -45,6 +55,7 @@ def register(impl) -> object:
     if all(x.name != impl.name for x in _REGISTRY[fam]):
         _REGISTRY[fam].append(impl)
         _SELECT_MEMO.clear()
+        LAUNCH_MEMO.clear()
     return impl
 
 

@@ -328,20 +328,29 @@ _DENSE_MEMO_MAX = 1024
 _Tensor = torch.Tensor
 
 
-def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, key_ranges=None,
-                block_sparse=None, deterministic=False, return_lse=False, needs_grad=False) -> AttentionCall:
-    memo_key = None
-    if (key_ranges is None and block_sparse is None and q.__class__ is _Tensor and k.__class__ is _Tensor
-            and v.__class__ is _Tensor and window.__class__ is tuple and len(window) == 2
+def dense_memo_key(q, k, v, causal, window, softcap, scale, deterministic, return_lse, needs_grad):
+    """What build_dense's checks of a call without key ranges or a CSR depend on (shapes, dtypes,
+    devices, flags), as a hashable key; None where the arguments are not memoisable. Hashing it
+    can still raise TypeError (an unhashable flag): the caller treats that as no key."""
+    if (q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor
+            and window.__class__ is tuple and len(window) == 2
             # a 0-d tensor scale/softcap hashes by identity but may change in place: not memoised
             and scale.__class__ in _PLAIN_SCALARS and softcap.__class__ in _PLAIN_SCALARS):
         # the classes of causal and the window entries are in the key: True == 1 and 1 == 1.0 hash
         # alike, but the checks accept only bool / int there
-        memo_key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                    causal.__class__, causal, window, window[0].__class__, window[1].__class__, softcap,
-                    scale, deterministic, return_lse, needs_grad)
+        return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                causal.__class__, causal, window, window[0].__class__, window[1].__class__, softcap,
+                scale, deterministic, return_lse, needs_grad)
+    return None
+
+
+def build_dense(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None, key_ranges=None,
+                block_sparse=None, deterministic=False, return_lse=False, needs_grad=False) -> AttentionCall:
+    memo_key = None
+    if key_ranges is None and block_sparse is None:
+        memo_key = dense_memo_key(q, k, v, causal, window, softcap, scale, deterministic, return_lse, needs_grad)
         try:
-            spec = _DENSE_MEMO.get(memo_key)
+            spec = _DENSE_MEMO.get(memo_key) if memo_key is not None else None
         except TypeError:  # an unhashable argument: the full checks say what is wrong with it
             spec, memo_key = None, None
         if spec is not None:

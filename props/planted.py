@@ -42,6 +42,9 @@ def _replace_methods(impl, **methods):
     saved = {m: impl.__dict__[m] for m in methods if m in impl.__dict__}
     for m, f in methods.items():
         setattr(impl, m, f)
+    # api.attention replays remembered launchers without calling forward: forget them while the
+    # plant is in, and after
+    dispatch.LAUNCH_MEMO.clear()
     try:
         yield impl
     finally:
@@ -50,6 +53,7 @@ def _replace_methods(impl, **methods):
                 setattr(impl, m, saved[m])
             else:
                 delattr(impl, m)
+        dispatch.LAUNCH_MEMO.clear()
 
 
 @contextlib.contextmanager

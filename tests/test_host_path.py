@@ -147,6 +147,100 @@ def test_select_memo_follows_the_registry(monkeypatch):
     assert dispatch.select(spec, "torch") is first  # registered after: first still wins
 
 
+class _LaunchingRecorder(_Recorder):
+    """A recorder that also offers api.attention a per-signature launcher (as fast-sm90 does)."""
+    name = "launching-recorder"
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.runs = [], 0
+
+    def direct_launcher(self, call):
+        self.made.append(call.spec)
+
+        def run(q, k, v):
+            self.runs += 1
+            return (torch.full(q.shape[:3] + (v.shape[-1],), 7.0, dtype=q.dtype),
+                    torch.zeros(q.shape[0], q.shape[2], q.shape[1]))
+        return run
+
+
+def test_api_launch_memo_replays_only_identical_inference_calls(monkeypatch):
+    dispatch._load()
+    monkeypatch.delenv("DUALATTN_MODE", raising=False)
+    rec = _LaunchingRecorder()
+    monkeypatch.setitem(dispatch._REGISTRY, "torch", [rec])
+    q, k, v = _qkv(torch.float32)
+    first = dualattn.attention(q, k, v, impl="torch")  # checks, dispatch, forward; launcher kept
+    assert len(rec.made) == 1 and rec.runs == 0 and bool((first == 0).all())
+    again = dualattn.attention(q, k, v, impl="torch")  # the same arguments: replayed
+    assert rec.runs == 1 and bool((again == 7).all())
+    out, lse = dualattn.attention(q, k, v, impl="torch", return_lse=True)  # another key: full path
+    assert rec.runs == 1 and len(rec.made) == 2 and lse is not None
+    # new data of the same shapes is replayed; a different flag, a strided view, autograd or a
+    # debugging mode are not
+    dualattn.attention(torch.randn_like(q), k, v, impl="torch")
+    assert rec.runs == 2
+    dualattn.attention(q, k, v, impl="torch", causal=True)
+    dualattn.attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v, impl="torch")
+    dualattn.attention(q.clone().requires_grad_(), k, v, impl="torch")
+    monkeypatch.setenv("DUALATTN_MODE", "reference")
+    dualattn.attention(q, k, v, impl="torch")
+    monkeypatch.delenv("DUALATTN_MODE")
+    assert rec.runs == 2
+    # a swapped family list is seen at once: the new one decides (and its launcher is kept)
+    rec2 = _LaunchingRecorder()
+    monkeypatch.setitem(dispatch._REGISTRY, "torch", [rec2])
+    assert bool((dualattn.attention(q, k, v, impl="torch") == 0).all())
+    assert bool((dualattn.attention(q, k, v, impl="torch") == 7).all()) and rec2.runs == 1 and rec.runs == 2
+    # bad input is never replayed: its key differs from every remembered one
+    with pytest.raises(TypeError):
+        dualattn.attention(q, k, v, impl="torch", causal=1)
+
+
+def test_api_launch_memo_keeps_no_launcher_where_none_is_offered(monkeypatch):
+    dispatch._load()
+    rec = _Recorder()
+    monkeypatch.setitem(dispatch._REGISTRY, "torch", [rec])
+    q, k, v = _qkv(torch.float32)
+    for _ in range(3):
+        dualattn.attention(q, k, v, impl="torch", window=(2, 0))
+    assert len(rec.specs) == 4  # can_implement once, forward three times
+    assert any(key[-1] == "torch" and hit[1] is None for key, hit in dispatch.LAUNCH_MEMO.items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal,return_lse,dv", [(False, False, 64), (True, True, 64), (False, True, 128)])
+def test_api_launch_memo_on_fast_sm90(causal, return_lse, dv):
+    """fast-sm90's launcher, replayed by api.attention, computes what the full path does: fresh
+    data each call, odd shapes, the accuracy rule against the oracle, bitwise equal to the full
+    path's output; a misaligned (offset) input falls back to the full path, which copies it."""
+    from dualattn.accuracy import check_outputs
+    if dispatch.device_arch(0) != 90:
+        pytest.skip("fast-sm90 needs an sm_90 GPU")
+    torch.manual_seed(0)
+    shape_q, shape_k = (2, 113, 4, 64), (2, 203, 2, 64)
+    for rep in range(3):
+        q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(shape_k, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(shape_k[:3] + (dv,), device="cuda", dtype=torch.bfloat16)
+        res = dualattn.attention(q, k, v, causal=causal, return_lse=return_lse, impl="fast")
+        out, lse = res if return_lse else (res, None)
+        call = S.build_dense(q, k, v, causal=causal, return_lse=return_lse)
+        assert all(c.ok for c in check_outputs(call, out, lse)), rep
+        full, full_lse = dispatch.select(call.spec, "fast").forward(call)
+        assert torch.equal(out, full) and (lse is None or torch.equal(lse, full_lse))
+    key = next(key for key in dispatch.LAUNCH_MEMO if key[0][0] == torch.Size(shape_q) and key[-1] == "fast")
+    assert dispatch.LAUNCH_MEMO[key][1] is not None  # the replays above went through the launcher
+    buf = torch.randn(q.numel() + 1, device="cuda", dtype=torch.bfloat16)
+    q_off = buf[1:].view(shape_q)  # contiguous, but 2 bytes off 16-byte alignment
+    res = dualattn.attention(q_off, k, v, causal=causal, return_lse=return_lse, impl="fast")
+    out = res[0] if return_lse else res
+    call = S.build_dense(q_off, k, v, causal=causal)
+    assert all(c.ok for c in check_outputs(call, out))
+
+
 # -- launch_args --------------------------------------------------------------------------------
 
 def _schema():
