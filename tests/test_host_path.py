@@ -211,8 +211,8 @@ def test_api_launch_memo_keeps_no_launcher_where_none_is_offered(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("causal,return_lse,dv", [(False, False, 64), (True, True, 64), (False, True, 128)])
-def test_api_launch_memo_on_fast_sm90(causal, return_lse, dv):
+@pytest.mark.parametrize("causal,return_lse,d", [(False, False, 64), (True, True, 64), (False, True, 128)])
+def test_api_launch_memo_on_fast_sm90(causal, return_lse, d):
     """fast-sm90's launcher, replayed by api.attention, computes what the full path does: fresh
     data each call, odd shapes, the accuracy rule against the oracle, bitwise equal to the full
     path's output; a misaligned (offset) input falls back to the full path, which copies it."""
@@ -220,11 +220,11 @@ def test_api_launch_memo_on_fast_sm90(causal, return_lse, dv):
     if dispatch.device_arch(0) != 90:
         pytest.skip("fast-sm90 needs an sm_90 GPU")
     torch.manual_seed(0)
-    shape_q, shape_k = (2, 113, 4, 64), (2, 203, 2, 64)
+    shape_q, shape_k = (2, 113, 4, d), (2, 203, 2, d)
     for rep in range(3):
         q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(shape_k, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(shape_k[:3] + (dv,), device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(shape_k, device="cuda", dtype=torch.bfloat16)
         res = dualattn.attention(q, k, v, causal=causal, return_lse=return_lse, impl="fast")
         out, lse = res if return_lse else (res, None)
         call = S.build_dense(q, k, v, causal=causal, return_lse=return_lse)
