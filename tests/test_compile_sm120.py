@@ -175,6 +175,8 @@ def test_bwd_compiles(cfg):
     assert (vec if arch >= 90 else scalar), "dQ is not accumulated by fp32 atomics"
     if det:  # the semaphore: acquire load to wait, release add to signal
         assert re.search(r"ld\.acquire\.gpu", ptx) and re.search(r"red\.release\.gpu", ptx)
+    # early_s (one stage, dS^T over dO): a step first waits with dO's cp.async group still in flight
+    assert bool(re.search(r"cp\.async\.wait_group\s+1;", ptx)) == kern.early_s, kern.early_s
     static_smem = sum(int(n) for n in re.findall(r"\.shared\s+\.align\s+\d+\s+\.b8\s+\w+\[(\d+)\]", ptx))
     assert kern.smem_bytes + static_smem <= SMEM_LIMIT, (kern.smem_bytes, static_smem)
     # the formula that can_implement uses is the compiled struct (plus alignment padding only)
