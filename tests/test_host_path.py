@@ -381,3 +381,32 @@ def test_empty_output_is_contiguous_in_qs_dtype_and_device():
             assert o.is_contiguous() and o.data_ptr() != t.data_ptr()
     lse = empty_f32(q, (2, 3, 5))
     assert lse.shape == (2, 3, 5) and lse.dtype == torch.float32 and lse.is_contiguous()
+
+
+def test_fast_sm90_offers_no_launcher_where_forward_does_more_than_one_launch():
+    """direct_launcher refuses what forward() treats specially (checked before any compile, so on
+    the CPU too): varlen, key ranges, a CSR, preallocated outputs, inputs _prep would copy, empty
+    calls, and an object whose forward was replaced (props.planted)."""
+    pytest.importorskip("cutlass")
+    from dualattn.fast.sm90 import FastSm90Forward
+    from dualattn.masks import segments_to_key_ranges
+    from dualattn.sparse import BlockSparse
+    impl = FastSm90Forward()
+    q, k, v = _qkv(torch.bfloat16, sq=128, sk=128, d=64)
+    kr = segments_to_key_ranges([[64, 64]], 128, causal=True)
+    refused = [
+        S.build_dense(q, k, v, key_ranges=kr),
+        S.build_dense(q, k, v, block_sparse=BlockSparse.from_key_ranges(kr, 128, 128, 128, 128)),
+        S.build_dense(q.transpose(1, 2).contiguous().transpose(1, 2), k, v),
+        S.build_dense(q[:, :0], k, v),
+        S.build_dense(q, k[:, :0], v[:, :0]),
+        S.build_varlen(q[0], k[0], v[0], torch.tensor([0, 128], dtype=torch.int32),
+                       torch.tensor([0, 128], dtype=torch.int32), 128, 128),
+    ]
+    extra = S.build_dense(q, k, v)
+    extra.extra["out"] = torch.empty_like(q)
+    refused.append(extra)
+    for call in refused:
+        assert impl.direct_launcher(call) is None, call.spec.short()
+    impl.forward = lambda call: None  # a replaced forward: even a plain call gets no launcher
+    assert impl.direct_launcher(S.build_dense(q, k, v)) is None
