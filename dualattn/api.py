@@ -82,8 +82,7 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None
             except TypeError:  # an unhashable argument: the checks below say what is wrong with it
                 hit, launch_key = None, None
             if hit is not None:
-                snap, reg = hit[0], dispatch._REGISTRY
-                if not (snap[0] is reg["fast"] and snap[1] is reg["triton"] and snap[2] is reg["torch"]):
+                if not dispatch.registry_unchanged(hit[0]):
                     hit = None  # a family list was swapped (tests): decide and remember anew
                 elif hit[1] is not None:
                     res = hit[1](q, k, v)

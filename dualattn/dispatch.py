@@ -45,7 +45,14 @@ LAUNCH_MEMO: Dict[tuple, tuple] = {}
 
 
 def registry_snapshot() -> tuple:
+    """The family lists a remembered decision was made with (select, LAUNCH_MEMO)."""
     return (_REGISTRY["fast"], _REGISTRY["triton"], _REGISTRY["torch"])
+
+
+def registry_unchanged(snapshot: tuple) -> bool:
+    """The registry is the one ``snapshot`` was taken of (tests swap family lists)."""
+    reg = _REGISTRY
+    return snapshot[0] is reg["fast"] and snapshot[1] is reg["triton"] and snapshot[2] is reg["torch"] and _LOADED
 
 
 def register(impl) -> object:
@@ -113,14 +120,12 @@ def select(spec, impl: str = "auto"):
     """Return the implementation object for ``impl``; raise NotImplementedError when it cannot serve."""
     key = (spec, impl)
     hit = _SELECT_MEMO.get(key)
-    reg = _REGISTRY
-    if (hit is not None and hit[0] is reg["fast"] and hit[1] is reg["triton"] and hit[2] is reg["torch"]
-            and _LOADED):
-        return hit[3]
+    if hit is not None and registry_unchanged(hit[0]):
+        return hit[1]
     chosen = _select(spec, impl)
     if len(_SELECT_MEMO) >= _SELECT_MEMO_MAX:  # specs carry shapes: keep it bounded
         _SELECT_MEMO.clear()
-    _SELECT_MEMO[key] = (reg["fast"], reg["triton"], reg["torch"], chosen)
+    _SELECT_MEMO[key] = (registry_snapshot(), chosen)
     return chosen
 
 

@@ -202,11 +202,12 @@ def test_api_launch_memo_keeps_no_launcher_where_none_is_offered(monkeypatch):
     dispatch._load()
     rec = _Recorder()
     monkeypatch.setitem(dispatch._REGISTRY, "torch", [rec])
+    dispatch.LAUNCH_MEMO.clear()
     q, k, v = _qkv(torch.float32)
     for _ in range(3):
         dualattn.attention(q, k, v, impl="torch", window=(2, 0))
     assert len(rec.specs) == 4  # can_implement once, forward three times
-    assert any(key[-1] == "torch" and hit[1] is None for key, hit in dispatch.LAUNCH_MEMO.items())
+    assert [hit[1] for hit in dispatch.LAUNCH_MEMO.values()] == [None]  # remembered once, as "none"
 
 
 @pytest.mark.gpu
@@ -410,3 +411,24 @@ def test_fast_sm90_offers_no_launcher_where_forward_does_more_than_one_launch():
         assert impl.direct_launcher(call) is None, call.spec.short()
     impl.forward = lambda call: None  # a replaced forward: even a plain call gets no launcher
     assert impl.direct_launcher(S.build_dense(q, k, v)) is None
+
+
+def test_fast_sm90_launcher_packs_what_forward_packs(monkeypatch):
+    """The replayed launcher hands the compiled entry the same packed values as forward() does
+    (pointers, shapes, strides, runtime scalars: arg_schema's fields), with fresh outputs."""
+    pytest.importorskip("cutlass")
+    import dualattn.fast.sm90 as sm90
+    impl = sm90.FastSm90Forward()
+    q, k, v = _qkv(torch.bfloat16, sq=128, sk=96, hq=4, hkv=2, d=64)
+    call = S.build_dense(q, k, v, causal=True, return_lse=True)
+    tail = (*impl.runtime_scalars(call.spec), 132)
+    monkeypatch.setattr(impl, "_entry", lambda spec, device: ("entry", lambda *vals: vals, tail))
+    launched = []
+    monkeypatch.setattr(sm90, "_launch", lambda fn, args, device: launched.append((fn, args)))
+    run = impl.direct_launcher(call)
+    out, lse = run(q, k, v)
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (1, 4, 128)
+    expected = impl.pack_args(lambda *vals: vals, tail, q, k, v, out, lse)
+    assert launched == [("entry", expected)]
+    assert len(expected) == len(impl.arg_schema(call.spec).names)
+    assert run(q[:, :, :, :].clone(), k, v) is not None and len(launched) == 2  # new data, same launcher

@@ -28,7 +28,8 @@ Loads overlap the math in one of two schedules (the tile config picks, see bwd_t
 The dQ atomics of step m go out between the MMAs of step m+1's S^T product (defer_dq; the last
 step's after the loop): issued back to back at the end of a step they filled the LSU queue
 (lg-throttle stalls) while the tensor pipe idled. Deterministic mode keeps them in place, where
-the semaphore orders them. H100, hd128, both together: 4k 248 -> 268 TFLOP/s, 16k 264 -> 280.
+the semaphore orders them. H100, hd128, each A/B'd in one call: defer_dq 4k 248 -> 266 TFLOP/s,
+16k 264 -> 271; then early_s 16k 269 -> 279-283.
 
 GQA: the query heads of a group are looped inside the CTA (dK/dV stay in registers across them)
 instead of writing per-query-head fp32 partials and reducing: no extra HBM traffic or buffer of

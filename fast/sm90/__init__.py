@@ -353,13 +353,17 @@ class FastSm90Forward:
         return hit
 
     @staticmethod
-    def pack_args(pack, tail, q, k, v, out, lse, feat=()):
-        """The per-call packed argument: raw pointers, shapes, q/k/v strides, scalars."""
+    def shape_values(q, k, v) -> tuple:
+        """The packed fields after the five pointers (arg_schema order): shapes, q/k/v strides."""
         B, Sq, Hq, _ = q.shape
         sq, sk, sv = q.stride(), k.stride(), v.stride()
+        return (B, Sq, k.shape[1], Hq, k.shape[2], sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2])
+
+    @staticmethod
+    def pack_args(pack, tail, q, k, v, out, lse, feat=()):
+        """The per-call packed argument: raw pointers, shapes, q/k/v strides, scalars."""
         return pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-                    B, Sq, k.shape[1], Hq, k.shape[2], sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
-                    sv[0], sv[1], sv[2], *tail, *feat)
+                    *FastSm90Forward.shape_values(q, k, v), *tail, *feat)
 
     def feature_values(self, call):
         """Packed values of the key-range / block-sparse fields (arg_schema order). Arrays are
@@ -468,12 +472,10 @@ class FastSm90Forward:
                 or not (q.is_contiguous() and k.is_contiguous() and v.is_contiguous())):
             return None
         B, Sq, Hq, _ = q.shape
-        Sk, Hkv = k.shape[1], k.shape[2]
-        if B * Sq * Hq == 0 or Sk == 0:
+        if B * Sq * Hq == 0 or k.shape[1] == 0:
             return None
         fn, pack, tail = self._entry(spec, q.device)
-        sq, sk, sv = q.stride(), k.stride(), v.stride()
-        fixed = (B, Sq, Sk, Hq, Hkv, sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sv[0], sv[1], sv[2], *tail)
+        fixed = (*self.shape_values(q, k, v), *tail)
         dv, device, lse_shape = spec.head_dim_v, q.device, ((B, Hq, Sq) if self.writes_lse(spec) else None)
 
         def run(q, k, v):
