@@ -337,6 +337,53 @@ def test_direct_launcher_matches_the_dsl_call():
 
 
 @pytest.mark.compile_only
+def test_bound_launch_writes_only_the_pointers_and_keeps_its_fixed_fields():
+    # fast-sm90's replayed inference call: the fields after the pointers are packed once, into
+    # the bound launch's own struct; calls write the pointers alone (host-only probe, CPU)
+    pytest.importorskip("cutlass")
+    import threading
+
+    import cuda.bindings.driver as cuda
+    from dualattn.fast.common.launch_args import BoundLaunch, DirectLauncher
+
+    fn, sch, _ = _probe()
+    launch = DirectLauncher(fn)
+    first = BoundLaunch(launch, sch, 1, (-5, 3 << 10, 2.5, 100))
+    second = BoundLaunch(launch, sch, 1, (7, 9 << 10, -1.5, 4))
+    bufs = [torch.zeros(4) for _ in range(3)]
+    for i in range(3):  # the first call packs everything and primes the launcher; then direct
+        first((bufs[i].data_ptr(),), cuda.CUstream(0))
+        assert bufs[i].tolist() == [-5.0, 3.0, 2.5, 100.0]
+    assert first._tls.ready is not None
+    # another signature on the same launcher, and a regular packed call of the same schema in
+    # between, leave the first one's fixed fields alone
+    second((bufs[0].data_ptr(),), cuda.CUstream(0))
+    assert bufs[0].tolist() == [7.0, 9.0, -1.5, 4.0]
+    launch(sch.pack(bufs[1].data_ptr(), 1, 1 << 10, 1.0, 1), cuda.CUstream(0))
+    first((bufs[2].data_ptr(),), 4242)
+    assert bufs[2].tolist() == [-5.0, 3.0, 2.5, 100.0] and launch._tls.state[1].value == 4242
+    # another thread gets its own struct and array (and primes the launcher there first)
+    other = torch.zeros(4)
+
+    def in_thread():
+        for _ in range(2):
+            first((other.data_ptr(),), cuda.CUstream(0))
+    th = threading.Thread(target=in_thread)
+    th.start()
+    th.join()
+    assert other.tolist() == [-5.0, 3.0, 2.5, 100.0]
+    # a disabled launcher: every call packs all fields and takes the DSL's path
+    off = DirectLauncher(fn)
+    off.enabled = False
+    bound_off = BoundLaunch(off, sch, 1, (8, 8 << 10, 8.0, 8))
+    for _ in range(2):
+        bound_off((bufs[1].data_ptr(),), cuda.CUstream(0))
+    assert bufs[1].tolist() == [8.0, 8.0, 8.0, 8.0] and getattr(bound_off._tls, "ready", None) is None
+    with pytest.raises(ValueError, match="do not match"):
+        BoundLaunch(launch, sch, 2, (1, 2, 3.0))  # the second field is no pointer
+
+
+@pytest.mark.compile_only
 def test_packed_entry_passes_call_arguments_in_order():
     # the sm120 kernels' one-struct launch: a schema derived from __call__'s prototypes, compiled
     # through PackedEntry.from_packed, hands every value to __call__ in its place (host-only probe)
@@ -422,9 +469,12 @@ def test_fast_sm90_launcher_packs_what_forward_packs(monkeypatch):
     q, k, v = _qkv(torch.bfloat16, sq=128, sk=96, hq=4, hkv=2, d=64)
     call = S.build_dense(q, k, v, causal=True, return_lse=True)
     tail = (*impl.runtime_scalars(call.spec), 132)
-    monkeypatch.setattr(impl, "_entry", lambda spec, device: ("entry", lambda *vals: vals, tail))
+    schema = impl.arg_schema(call.spec)
+    monkeypatch.setattr(impl, "_entry", lambda spec, device: ("entry", schema.pack, tail))
     launched = []
-    monkeypatch.setattr(sm90, "_launch", lambda fn, args, device: launched.append((fn, args)))
+    # the launcher hands _launch a BoundLaunch and the five pointers; it packs them before its
+    # fixed values (BoundLaunch's own CPU test shows that)
+    monkeypatch.setattr(sm90, "_launch", lambda fn, args, device: launched.append((fn.launcher, (*args, *fn.fixed))))
     run = impl.direct_launcher(call)
     out, lse = run(q, k, v)
     assert out.shape == q.shape and out.is_contiguous() and lse.shape == (1, 4, 128)

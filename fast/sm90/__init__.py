@@ -28,8 +28,8 @@ import torch
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.tile_order import L2_SECTION_BYTES
-from dualattn.fast.common.launch_args import (DirectLauncher, current_device_index, current_stream_handle, empty_f32,
-                                              empty_output)
+from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
+                                              current_stream_handle, empty_f32, empty_output)
 
 SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -475,7 +475,8 @@ class FastSm90Forward:
         if B * Sq * Hq == 0 or k.shape[1] == 0:
             return None
         fn, pack, tail = self._entry(spec, q.device)
-        fixed = (*self.shape_values(q, k, v), *tail)
+        # every field but the five pointers is packed once (pack is the schema's bound method)
+        bound = BoundLaunch(fn, pack.__self__, 5, (*self.shape_values(q, k, v), *tail))
         dv, device, lse_shape = spec.head_dim_v, q.device, ((B, Hq, Sq) if self.writes_lse(spec) else None)
 
         def run(q, k, v):
@@ -484,7 +485,7 @@ class FastSm90Forward:
                 return None
             out = empty_output(q, dv)
             lse = None if lse_shape is None else empty_f32(q, lse_shape)
-            _launch(fn, pack(qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr(), *fixed), device)
+            _launch(bound, (qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr()), device)
             return out, lse
         return run
 
