@@ -57,7 +57,8 @@ def main():
     dev = q.device
     run = impl.direct_launcher(call)
     bound = BoundLaunch(fn, pack.__self__, 5, (*impl.shape_values(q, k, v), *tail))
-    ptrs, stream = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()), current_stream_handle(dev)
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
+    stream = current_stream_handle(dev)
     bound(ptrs, stream)
     bound(ptrs, stream)
     ready = bound._tls.ready

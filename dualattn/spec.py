@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Tuple
 
@@ -28,6 +29,35 @@ def set_value_checks(enabled: bool) -> None:
     """Turn the data-dependent input checks (which synchronise with the GPU) on or off."""
     global _VALUE_CHECKS
     _VALUE_CHECKS = bool(enabled)
+
+
+class ValueCheckMemo:
+    """Tensors whose values passed a check, remembered by identity (a weak reference: the memo
+    keeps nothing alive) and version counter together with what else the check read. A tensor
+    reused across calls (the same cu_seqlens, key ranges or CSR in every layer) is read back,
+    which synchronises, once; a new tensor, or one changed in place through torch since, is
+    checked again. Writes that bypass torch (a raw-pointer kernel) do not move the counter."""
+
+    def __init__(self, capacity: int = 256):
+        self._seen: dict = {}
+        self._capacity = capacity
+
+    def passed(self, what: tuple, *tensors) -> bool:
+        hit = self._seen.get((what, tuple(id(t) for t in tensors)))
+        return (hit is not None and all(r() is t for r, t in zip(hit[0], tensors))
+                and hit[1] == tuple(t._version for t in tensors))
+
+    def remember(self, what: tuple, *tensors) -> None:
+        if len(self._seen) >= self._capacity:
+            self._seen.clear()
+        self._seen[(what, tuple(id(t) for t in tensors))] = (
+            tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors))
+
+    def clear(self) -> None:
+        self._seen.clear()
+
+
+VALUE_CHECK_MEMO = ValueCheckMemo()
 
 
 def value_checks_enabled() -> bool:
@@ -265,7 +295,8 @@ def _check_cu_seqlens(name: str, cu, batch_plus_1: Optional[int], total: int, ma
         raise ValueError(f"{name}: on device {cu.device}, but q is on {device}")
     if not isinstance(max_seqlen, int) or isinstance(max_seqlen, bool) or max_seqlen < 0:
         raise TypeError(f"{max_name}: expected a non-negative int, got {max_seqlen!r}")
-    if value_checks_enabled():
+    what = ("cu_seqlens", total, max_seqlen)  # what the checks read besides the values
+    if value_checks_enabled() and not VALUE_CHECK_MEMO.passed(what, cu):
         c = cu.cpu()
         if int(c[0]) != 0:
             raise _err(name, f"must start at 0, got {int(c[0])}")
@@ -276,6 +307,7 @@ def _check_cu_seqlens(name: str, cu, batch_plus_1: Optional[int], total: int, ma
             raise _err(name, f"last entry {int(c[-1])} must equal the number of packed tokens {total}")
         if int(d.max()) > max_seqlen:
             raise _err(max_name, f"{max_seqlen} is smaller than the longest sequence {int(d.max())}")
+        VALUE_CHECK_MEMO.remember(what, cu)
     return cu.numel() - 1
 
 
@@ -292,12 +324,13 @@ def _check_key_ranges(kr, batch: int, hq: int, sq_total: int, sk: int, varlen: b
     if b not in want_b or h not in (1, hq) or s != sq_total or two != 2 or r < 1:
         lead = "1" if varlen else "B or 1"
         raise _err("key_ranges", f"expected shape ({lead}, Hq or 1, {sq_total}, R>=1, 2), got {tuple(kr.shape)}")
-    if value_checks_enabled() and kr.numel():
+    if value_checks_enabled() and kr.numel() and not VALUE_CHECK_MEMO.passed(("key_ranges", sk), kr):
         lo, hi = kr[..., 0], kr[..., 1]
         if bool((lo > hi).any()):
             raise _err("key_ranges", "every interval needs lo <= hi")
         if bool((lo < 0).any()) or bool((hi > sk).any()):
             raise _err("key_ranges", f"interval ends must lie in [0, Sk={sk}]")
+        VALUE_CHECK_MEMO.remember(("key_ranges", sk), kr)
     return r
 
 

@@ -103,6 +103,43 @@ def test_causal_not_bool():
     raises(TypeError, r"^causal", dualattn.attention, q, k, v, causal=1)
 
 
+def test_value_checks_of_a_reused_tensor_run_once_and_again_after_an_in_place_change():
+    # cu_seqlens and key ranges passed unchanged in every layer are read back (a
+    # synchronisation) once; an in-place update through torch is checked again before running
+    import gc
+
+    from dualattn.spec import VALUE_CHECK_MEMO
+    q, k, v, cu, m = vl()
+    reads = []
+    real_cpu = torch.Tensor.cpu
+    try:
+        torch.Tensor.cpu = lambda self, *a, **kw: (reads.append(self.dtype), real_cpu(self, *a, **kw))[1]
+        for _ in range(3):
+            dualattn.attention_varlen(q, k, v, cu, cu, m, m, impl="torch")
+    finally:
+        torch.Tensor.cpu = real_cpu
+    assert reads.count(torch.int32) == 1  # one tensor, one read, not one per call
+    cu[1] += 20  # in place: no longer monotone
+    raises(ValueError, r"^cu_seqlens_q: must be non-decreasing", dualattn.attention_varlen, q, k, v, cu, cu, m, m)
+    kr = _kr(1, 1, 16, 1, 0, 3)
+    qd, kd, vd = qkv()
+    dualattn.attention(qd, kd, vd, key_ranges=kr, impl="torch")
+    kr[..., 1] = 25
+    raises(ValueError, r"^key_ranges: interval ends", dualattn.attention, qd, kd, vd, key_ranges=kr)
+    raises(ValueError, r"^key_ranges: interval ends", dualattn.attention, qd, kd, vd, key_ranges=kr)
+    # another check of the same tensor (another Sk) is its own entry
+    kr[..., 1] = 3
+    dualattn.attention(qd, kd, vd, key_ranges=kr, impl="torch")
+    raises(ValueError, r"^key_ranges: interval ends", dualattn.attention, qd[:, :, :, :], kd[:, :2], vd[:, :2],
+           key_ranges=kr)
+    # the memo holds weak references only: it keeps no tensor alive
+    n = len(VALUE_CHECK_MEMO._seen)
+    assert n > 0
+    del kr
+    gc.collect()
+    assert any(r() is None for refs, _ in VALUE_CHECK_MEMO._seen.values() for r in refs)
+
+
 def test_unknown_impl():
     q, k, v = qkv()
     raises(ValueError, r"^impl: must be one of", dualattn.attention, q, k, v, impl="cuda")

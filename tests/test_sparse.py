@@ -1,4 +1,5 @@
 """BlockSparse builders, transposition and lock values on hand-checked patterns."""
+import pytest
 import torch
 
 import dualattn
@@ -139,3 +140,31 @@ def test_transpose_follows_an_in_place_update_of_the_csr():
     out = dualattn.attention(q, k, v, block_sparse=bs, impl="torch")
     want = dualattn.attention(q, k, v, block_sparse=fresh, impl="torch")
     assert torch.equal(out, want)
+
+
+def test_a_reused_pattern_is_validated_once_and_again_after_a_change(monkeypatch):
+    # validation reads the CSR back (a synchronisation, about 1.3 ms per call at 8k on the H100
+    # host): a pattern reused across calls is checked once; an in-place update or a swapped
+    # tensor is checked again, so a corrupted pattern is still refused before any kernel runs
+    rp = torch.tensor([0, 1, 2], dtype=torch.int32)
+    empty_rp, empty_col = torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    bs = BlockSparse.from_csr(rp, torch.tensor([0, 1], dtype=torch.int32), empty_rp, empty_col, 16, 16, 32, 32)
+    runs = []
+    real = BlockSparse.validate
+    monkeypatch.setattr(BlockSparse, "validate", lambda self: (runs.append(1), real(self))[1])
+    q, k, v = (torch.randn(1, 32, 1, 16) for _ in range(3))
+    for _ in range(3):
+        dualattn.attention(q, k, v, block_sparse=bs, impl="torch")
+    assert len(runs) == 1
+    bs.q2k_full.col.copy_(torch.tensor([1, 5], dtype=torch.int32))  # out of range: must be refused
+    with pytest.raises(ValueError, match="out of range"):
+        dualattn.attention(q, k, v, block_sparse=bs, impl="torch")
+    with pytest.raises(ValueError, match="out of range"):  # and refused again, not remembered
+        dualattn.attention(q, k, v, block_sparse=bs, impl="torch")
+    bs.q2k_full.col.copy_(torch.tensor([1, 0], dtype=torch.int32))
+    dualattn.attention(q, k, v, block_sparse=bs, impl="torch")
+    n = len(runs)
+    bs.q2k_full = type(bs.q2k_full)(bs.q2k_full.rowptr, torch.tensor([[[0, 7]]], dtype=torch.int32))  # swapped
+    with pytest.raises(ValueError, match="out of range"):
+        dualattn.attention(q, k, v, block_sparse=bs, impl="torch")
+    assert len(runs) == n + 1
