@@ -8,7 +8,8 @@ Two models of the kernel, compared with that rule (``dualattn.masks.element_visi
 CSR's block states, as reference/torch_ref.py applies them) on the shapes of the H100 cases:
 
 * ``plan_counts``: a pure-Python transcription of the kernel's per-tile plan
-  (``FlashFwdSm90.visit_plan`` / ``block_at`` / ``block_need_mask`` / ``maybe_mask``).
+  (``FlashFwdSm90.visit_plan`` / ``block_at`` / ``csr_visit_groups`` / ``csr_visits`` /
+  ``maybe_mask``).
   ``full_tail_predicate=True`` models the bug the H100 run hit (full entries holding the key
   tail got the causal/window predicate) and must reproduce that run's failure signatures;
 * ``kernel_counts``: the kernel's own CuTe DSL code (the same methods, traced by the DSL and
@@ -176,15 +177,20 @@ def plan_counts(call, full_tail_predicate=False):
                 m0 += s[6] * b + s[7] * h
                 rows = torch.arange(m_block * TILE_M, min((m_block + 1) * TILE_M, sq))
                 diag = rows[:, None] + sk - sq
+                visits = []
                 for it in range((f_cnt + m_cnt) * ratio_n):
                     e = it // ratio_n                                     # csr_block_at
                     is_mask = e < m_cnt
                     col = mcol[m0 + e] if is_mask else fcol[f0 + e - m_cnt]
-                    n_block = col * ratio_n + it - e * ratio_n
+                    visits.append((col * ratio_n + it - e * ratio_n, is_mask))
+                m_vis, n_tail = min(m_cnt * ratio_n, len(visits)), 0     # csr_visit_groups
+                while n_tail < len(visits) - m_vis and visits[-1 - n_tail][0] >= sk // BN:
+                    n_tail += 1
+                for idx, (n_block, is_mask) in enumerate(visits):         # csr_visits
+                    tail = idx >= len(visits) - n_tail
                     cols = torch.arange(n_block * BN, (n_block + 1) * BN)[None, :]
-                    need = (n_block + 1) * BN > sk or is_mask             # block_need_mask
                     vis = torch.ones(rows.numel(), BN, dtype=torch.bool)
-                    if need:                                              # maybe_mask
+                    if is_mask or tail:                                   # maybe_mask
                         vis &= cols < sk
                         if is_mask or full_tail_predicate:               # mask_predicate
                             if has_right:
@@ -260,7 +266,7 @@ _RT, _CT = 8, 16  # coordinates handed to maybe_mask per call (a thread's fragme
 
 def _probe(spec):
     """Compiled host-only probe for the kernel config of ``spec``: for one (batch, head, query
-    tile) it runs the kernel's visit_plan / block_at / block_need_mask / maybe_mask and adds 1
+    tile) it runs the kernel's visit_plan / csr_visit_groups / csr_visits / maybe_mask and adds 1
     to counts[row, key] for every score the mask leaves finite."""
     if cutlass is None:
         pytest.skip("needs nvidia-cutlass-dsl")
@@ -307,13 +313,26 @@ def _probe(spec):
         out = cute.make_tensor(out_ptr, cute.make_layout((BM, out_cols), stride=(out_cols, 1)))
         cS = cute.make_identity_tensor((BM, BN))
         ctx0 = _Ctx(m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-        for it in cutlass.range(n_iters, unroll=1):
-            n_block, is_mask = kern.block_at(it, visit)
-            need = kern.block_need_mask(ctx0, n_block, is_mask)
+
+        def one_visit(n_block, masked, mask_entry):
             for ri in cutlass.range(BM // _RT, unroll=1):
                 for ci in cutlass.range(BN // _CT, unroll=1):
                     cell(out, cS, ri, ci, m_block, seqlen_q, seqlen_k, win_left, win_right,
-                         n_block, need, is_mask, out_cols)
+                         n_block, masked, mask_entry, out_cols)
+
+        class Steps:  # the kernel's csr_visits drives these instead of its GEMM steps
+            split_first = kern.overlap
+
+            def first(self, n_block, masked, mask_entry, state):
+                one_visit(n_block, masked, mask_entry)
+
+            def step(self, masked, mask_entry, n_block, state):
+                one_visit(n_block, masked, mask_entry)
+                return state
+
+        if n_iters > 0:
+            n_mask, n_clear, n_tail = kern.csr_visit_groups(ctx0, visit, n_iters)
+            kern.csr_visits(visit, n_mask, n_clear, n_tail, Int32(0), Steps())
 
     ptr = make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4)
     fn = cute.compile(probe, ptr, ptr, ptr, ptr, ptr, *([0] * 18))
@@ -330,16 +349,24 @@ def kernel_counts(call):
     arrays, strides, ratio_m, ratio_n = _flat_csr(call, BN)
     _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
     ptrs = [make_ptr(cutlass.Int32, t.data_ptr(), AddressSpace.gmem, 4) for t in arrays]
+    # every key column a CSR entry can name (a varlen pattern spans the longest sequence): a
+    # score left finite past seqlen_k would read a key that is not there (zeros from TMA, or
+    # the next sequence's keys), so those columns are counted too and must stay at 0
+    bs = call.block_sparse
+    wide = -(-bs.n_kblocks * bs.block_n // BN) * BN
     out = {}
     for b, sq, sk in _sequences(call):
         cnt = torch.zeros(spec.num_heads_q, sq, sk, dtype=torch.int32)
         for h in range(spec.num_heads_q):
             for m in range(-(-sq // TILE_M)):
-                buf = torch.zeros(TILE_M, max(sk, 1), dtype=torch.int32)
+                buf = torch.zeros(TILE_M, wide, dtype=torch.int32)
                 fn(*ptrs, make_ptr(cutlass.Int32, buf.data_ptr(), AddressSpace.gmem, 4),
-                   ratio_m, ratio_n, *strides, b, h, m, sq, sk, wl, wr, max(sk, 1))
+                   ratio_m, ratio_n, *strides, b, h, m, sq, sk, wl, wr, wide)
                 rows = min(TILE_M, sq - m * TILE_M)
                 cnt[h, m * TILE_M:m * TILE_M + rows] = buf[:rows, :sk]
+                past = buf[:rows, sk:]
+                assert not past.any(), (f"batch {b} head {h} tile {m}: keys past seqlen_k={sk} left "
+                                        f"unmasked at columns {(past.nonzero()[:3, 1] + sk).tolist()}")
         out[b] = cnt
     return out
 
