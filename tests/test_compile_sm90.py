@@ -456,9 +456,9 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True
     assert FastSm90Forward.config(_spec(64, True))[0] == 128
-    # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile
+    # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile from 2560 keys
     assert FastSm90Forward.config(_spec(64, True))[5] is True
-    assert FastSm90Forward.config(_spec(128, True))[5] is False
+    assert FastSm90Forward.config(_spec(128, True, sq=4096, sk=4096))[5] is False
     # causal from 16k queries: 3 warpgroups too, one CTA per tile
     long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
     assert long_causal[0] == 192 and long_causal[3] is True and long_causal[5] is False
@@ -549,3 +549,26 @@ def test_pack_gqa_kernels_compile_with_a_5d_q_box(d, hq, hkv, causal, window):
     assert re.search(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global", ptx)   # K, V
     assert re.search(r"cp\.async\.bulk\.tensor\.5d\.global\.shared::cta", ptx)   # O store
     assert _loops_with(ptx, "wgmma.mma_async") >= 1
+
+
+@pytest.mark.compile_only
+def test_short_masked_tiles_run_the_persistent_grid():
+    """Causal / windowed calls at D <= 128 whose longest tile visits at most 2560 keys take the
+    persistent grid (H100 A/B in FastSm90Forward's _short_masked_tiles); longer causal ones,
+    hd256, key ranges and CSRs keep one CTA per tile."""
+    from dualattn.fast.sm90 import PERSISTENT_MAX_TILE_KEYS
+    from dualattn.sparse import BlockSparse
+
+    def persistent(spec):
+        return FastSm90Forward.config(spec)[5]
+    assert persistent(_spec(128, True, sq=2048, sk=PERSISTENT_MAX_TILE_KEYS))
+    assert not persistent(_spec(128, True, sq=2048, sk=PERSISTENT_MAX_TILE_KEYS + 1))
+    assert persistent(_spec(96, True, sq=512, sk=512))
+    assert not persistent(_spec(256, True, sq=512, sk=512)) and not persistent(_spec(192, True, sq=512, sk=512))
+    # a window bounded on both sides: its span, not Sk, bounds a tile's keys
+    assert persistent(_spec(128, True, sq=16384, sk=16384, window=(1024, 0)))
+    assert not persistent(_spec(128, True, sq=16384, sk=16384, window=(4096, 0)))
+    assert not persistent(_spec(128, False, sq=16384, sk=16384, window=(-1, 0)))  # right bound alone
+    assert persistent(_spec(128, False, sq=16384, sk=16384, window=(1000, 1000)))
+    bs = BlockSparse.from_key_ranges(None, 1000, 1000, 128, 128, causal=True)
+    assert not persistent(_spec(128, True, block_size=(bs.block_m, bs.block_n)))

@@ -80,6 +80,30 @@ def _plain_hd64(spec) -> bool:
             and not spec.has_key_ranges and not spec.has_block_sparse)
 
 
+PERSISTENT_MAX_TILE_KEYS = 2560  # see _short_masked_tiles
+
+
+def _short_masked_tiles(spec) -> bool:
+    """Causal / windowed calls at D <= 128, without key ranges or a CSR, whose longest query
+    tile visits at most PERSISTENT_MAX_TILE_KEYS keys (Sk, or the window's span): their tiles
+    are short, so the persistent grid's overlap of one tile's epilogue with the next one's loads
+    is worth more than the balance one CTA per tile gives uneven tiles. H100, bf16, one process,
+    one-CTA-per-tile -> persistent, medians of 3 interleaved runs (gpujobs/persist_ab.py):
+    hd128 causal 512 / 1k / 2k: 182 -> 212, 297 -> 325, 438 -> 444 TFLOP/s, but 4k / 8k / 16k
+    0.86-0.90x; GQA 32/8 causal 2k 419 -> 467; window 1024 at 16k 452 -> 476; 10 packed causal
+    documents (varlen, longest 2312) 328 -> 359. hd256 causal lost at every length (0.69-0.88x)
+    and CSR calls did not gain (block-sparse 1.01x, documents as a CSR 0.90x)."""
+    if spec.head_dim > 128 or spec.has_key_ranges or spec.has_block_sparse:
+        return False
+    left, right = spec.window
+    if not (spec.causal or right >= 0 or left >= 0):
+        return False  # non-causal unbounded: persistent anyway
+    keys = spec.seqlen_k  # varlen: the longest sequence
+    if left >= 0 and (spec.causal or right >= 0):  # both bounds: the window's span over a tile
+        keys = min(keys, left + (0 if spec.causal else right) + 2 * 128)
+    return keys <= PERSISTENT_MAX_TILE_KEYS
+
+
 CAUSAL_3WG_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs 3 warpgroups (below)
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
@@ -187,10 +211,13 @@ class FastSm90Forward:
         # one CTA per tile balances better than a static stride (as for causal)
         # plain causal hd64 is the exception: short tiles, so the persistent grid's overlap of one
         # tile's epilogue with the next one's loads wins (H100, 1k-16k causal, TFLOP/s: 196 /
-        # 291 / 368 / 406 / 445 per-tile grid -> 237 / 321 / 391 / 439 / 465 persistent; hd128
-        # lost with it: 2k 450 -> 168, 16k 647 -> 554)
-        persistent = (not (spec.causal or spec.has_key_ranges or spec.has_block_sparse)
-                      or (_plain_hd64(spec) and not _three_warpgroups(spec))) \
+        # 291 / 368 / 406 / 445 per-tile grid -> 237 / 321 / 391 / 439 / 465 persistent); so do
+        # causal / windowed calls at D <= 128 whose tiles visit few keys (_short_masked_tiles;
+        # hd128 causal from 4k and hd256 lose with it)
+        # a right window bound alone is causal-like (uneven tiles, heaviest first)
+        masked_right = spec.causal or spec.window[1] >= 0
+        persistent = (not (masked_right or spec.has_key_ranges or spec.has_block_sparse)
+                      or (_plain_hd64(spec) and not _three_warpgroups(spec)) or _short_masked_tiles(spec)) \
             if _PERSISTENT_ENV == "" else _PERSISTENT_ENV != "0"
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
         pingpong = spec.head_dim <= 128
