@@ -88,7 +88,7 @@ def _short_masked_tiles(spec) -> bool:
     tile visits at most PERSISTENT_MAX_TILE_KEYS keys (Sk, or the window's span): their tiles
     are short, so the persistent grid's overlap of one tile's epilogue with the next one's loads
     is worth more than the balance one CTA per tile gives uneven tiles. H100, bf16, one process,
-    one-CTA-per-tile -> persistent, medians of 3 interleaved runs (gpujobs/persist_ab.py):
+    one-CTA-per-tile -> persistent, medians of 3 interleaved runs (ci/sm90_grid_ab.py):
     hd128 causal 512 / 1k / 2k: 182 -> 212, 297 -> 325, 438 -> 444 TFLOP/s, but 4k / 8k / 16k
     0.86-0.90x; GQA 32/8 causal 2k 419 -> 467; window 1024 at 16k 452 -> 476; 10 packed causal
     documents (varlen, longest 2312) 328 -> 359. hd256 causal lost at every length (0.69-0.88x)

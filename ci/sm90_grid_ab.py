@@ -1,4 +1,11 @@
-"""fast-sm90: default grid choice vs the persistent grid, same process, interleaved (medians of 3)."""
+"""fast-sm90's grid choice A/B (GPU only): the default grid against the persistent grid, on the
+bench's mask cells and its causal dense / GQA cells at hd128 and hd256, in one process,
+interleaved (three rounds, medians; the launch memo cleared between them).
+
+    python ci/sm90_grid_ab.py
+
+The figures behind fast/sm90's _short_masked_tiles came from this script.
+"""
 import statistics, torch
 import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
