@@ -75,7 +75,7 @@ def test_compile_key_is_explicit_and_shape_free():
     assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, L2_SECTION_BYTES, "sm_90a")
+                   False, 1, L2_SECTION_BYTES, "sm_90a")
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
     # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
     assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)
@@ -572,3 +572,21 @@ def test_short_masked_tiles_run_the_persistent_grid():
     assert persistent(_spec(128, False, sq=16384, sk=16384, window=(1000, 1000)))
     bs = BlockSparse.from_key_ranges(None, 1000, 1000, 128, 128, causal=True)
     assert not persistent(_spec(128, True, block_size=(bs.block_m, bs.block_n)))
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
+    """A persistent CTA with its own O buffer keeps two Q buffers (the next tile's Q and first K/V
+    load while this tile runs): two Q stages in the compile key and the kernel, and the
+    shared-memory budget (checked at trace time) still met at hd128 (224 KB + barriers)."""
+    hd128 = _spec(128, False, sq=8192, sk=8192)
+    assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
+    assert FORWARD.compile_key(hd128, 90)[-3] == 2
+    assert FastSm90Forward.q_stages(_spec(128, True, sq=8192, sk=8192)) == 1  # one CTA per tile
+    assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
+    kern = FORWARD.make_kernel(hd128)
+    assert kern.q_stages == 2 and kern.smem_bytes <= 227 * 1024
+    ptx = FastSm90Forward().compile_only(hd128, arch=90).__ptx__
+    smem = [int(x) for x in re.findall(r"\.shared \.align \d+ \.b8 \w+\[(\d+)\]", ptx)]
+    assert not smem or max(smem) <= 227 * 1024

@@ -27,6 +27,7 @@ import torch
 
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
+from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
 from dualattn.fast.common.tile_order import L2_SECTION_BYTES
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
@@ -42,6 +43,7 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 # DUALATTN_SM90_PERSISTENT=0/1 forces the choice (for comparisons and tests).
 _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 _PACK_GQA_ENV = os.environ.get("DUALATTN_SM90_PACK_GQA", "")  # see FastSm90Forward.pack_gqa
+_Q_STAGES_ENV = os.environ.get("DUALATTN_SM90_Q_STAGES", "")  # see FastSm90Forward.q_stages
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -88,7 +90,7 @@ def _short_masked_tiles(spec) -> bool:
     tile visits at most PERSISTENT_MAX_TILE_KEYS keys (Sk, or the window's span): their tiles
     are short, so the persistent grid's overlap of one tile's epilogue with the next one's loads
     is worth more than the balance one CTA per tile gives uneven tiles. H100, bf16, one process,
-    one-CTA-per-tile -> persistent, medians of 3 interleaved runs (ci/sm90_grid_ab.py):
+    one-CTA-per-tile -> persistent, medians of 3 interleaved runs (ci/sm90_grid_ab.py persistent):
     hd128 causal 512 / 1k / 2k: 182 -> 212, 297 -> 325, 438 -> 444 TFLOP/s, but 4k / 8k / 16k
     0.86-0.90x; GQA 32/8 causal 2k 419 -> 467; window 1024 at 16k 452 -> 476; 10 packed causal
     documents (varlen, longest 2312) 328 -> 359. hd256 causal lost at every length (0.69-0.88x)
@@ -271,7 +273,29 @@ class FastSm90Forward:
         g = self.pack_gqa(spec)
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
-                *self.mask_flags(spec), *self.config(spec), L2_SECTION_BYTES, arch_string(arch))
+                *self.mask_flags(spec), *self.config(spec), self.q_stages(spec), L2_SECTION_BYTES,
+                arch_string(arch))
+
+    @classmethod
+    def q_stages(cls, spec) -> int:
+        """Q buffers: 2 where a persistent CTA with its own O buffer has the shared memory for a
+        second one, else 1. With one, the producer waits for this tile's last GEMM to free Q
+        before it loads the next tile's Q and then its first K/V, and the consumers wait for
+        both after their epilogue; with two, both load while this tile runs. H100, bf16, one
+        process, two buffers against one, medians of 3 interleaved runs (`python
+        ci/sm90_grid_ab.py q_stages`): hd128 512 / 1k / 2k +7 / +5 / +3 %, causal +9 / +5 / +2 %;
+        hd64 causal 1k / 2k +8 / +6 %; window 1024 +2 %, packed documents +4 %; 8k-16k within
+        +-2 % (cells that run the same kernel both ways moved by up to 4 %: the noise).
+        DUALATTN_SM90_Q_STAGES=1 forces one."""
+        tile_m, tile_n, stages, _, _, persistent, separate_o = cls.config(spec)
+        if not (persistent and separate_o) or _Q_STAGES_ENV == "1":
+            return 1
+        esize = 2  # fp16 / bf16
+        need = esize * (2 * tile_m * spec.head_dim + tile_m * spec.head_dim_v
+                        + stages * tile_n * (spec.head_dim + spec.head_dim_v))
+        # the barriers come first, then the 1024-byte aligned buffers (the kernel checks the
+        # struct's real size at trace time)
+        return 2 if need + 1024 <= SMEM_LIMIT["sm_90a"] else 1
 
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
@@ -282,7 +306,7 @@ class FastSm90Forward:
                             window_left=wl, window_right=wr, softcap=sc,
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
-                            num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec))
+                            num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec))
 
     @staticmethod
     def arg_schema(spec):

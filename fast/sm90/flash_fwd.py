@@ -157,7 +157,7 @@ class FlashFwdSm90:
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
-                 num_mma_wg: int = 2, pack_gqa: int = 1):
+                 num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1):
         self.dtype = dtype
         # pack_gqa = g > 1: the g query heads of one KV head share the M tile, row r of the tile
         # being query (m_block * tile_m + r) // g of head r % g (see tensors_from_pointers); the
@@ -198,17 +198,21 @@ class FlashFwdSm90:
         # O staged in its own buffer: Q's buffer is handed back before the epilogue, so the next
         # tile's Q load overlaps this tile's epilogue (where shared memory allows it)
         self.separate_o = separate_o
+        # Q buffers: 2 lets a persistent CTA load the next tile's Q (and, no longer blocked on
+        # it, the next tile's first K/V) while this tile runs; O must then have its own buffer
+        assert q_stages in (1, 2) and (q_stages == 1 or (separate_o and persistent))
+        self.q_stages = q_stages
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
         self.smem_bytes = check_smem_budget(
             {
-                "Q": self.tile_m * head_dim * dtype.width // 8,
+                "Q": q_stages * self.tile_m * head_dim * dtype.width // 8,
                 "O": self.tile_m * head_dim_v * dtype.width // 8 if separate_o else 0,
                 "K": num_stages * tile_n * head_dim * dtype.width // 8,
                 "V": num_stages * tile_n * head_dim_v * dtype.width // 8,
             },
-            num_mbarriers=2 * (1 + 2 * num_stages),
+            num_mbarriers=2 * (q_stages + 2 * num_stages),
             arch=self.arch,
         )
         assert self.num_mma_regs * self.num_mma_wg * 128 + self.num_producer_regs * 128 <= 65536
@@ -244,13 +248,14 @@ class FlashFwdSm90:
             Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, Dv),
             a_source=warpgroup.OperandSource.RMEM)
 
-        sQ_layout = self._smem_layout((BM, D), None)
+        sQ_layout = self._smem_layout((BM, D), self.q_stages if const_expr(self.q_stages > 1) else None)
         sK_layout = self._smem_layout((BN, D), self.num_stages)
         sV_layout = self._smem_layout((BN, Dv), self.num_stages)
         sO_layout = self._smem_layout((BM, Dv), None)
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_layout, (BM, D))
+        sQ_one = cute.select(sQ_layout, mode=[0, 1]) if const_expr(self.q_stages > 1) else sQ_layout
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_one, (BM, D))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (BN, D), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
@@ -258,11 +263,11 @@ class FlashFwdSm90:
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (BM, Dv))
 
-        self.tx_bytes_q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_bytes_q = cute.size_in_bytes(self.dtype, sQ_one)
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
         self.tx_bytes_v = cute.size_in_bytes(self.dtype, cute.select(sV_layout, mode=[0, 1]))
         check_pipeline_config(
-            "Q", self.tx_bytes_q, (BM, D), self.dtype.width, 1, producer_arrivals=1,
+            "Q", self.tx_bytes_q, (BM, D), self.dtype.width, self.q_stages, producer_arrivals=1,
             consumer_arrivals=self.num_mma_wg * 4)
         check_pipeline_config(
             "K", self.tx_bytes_k, (BN, D), self.dtype.width, self.num_stages,
@@ -278,7 +283,7 @@ class FlashFwdSm90:
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_qo], 1024]
@@ -429,7 +434,7 @@ class FlashFwdSm90:
         # PipelineTmaAsync releases with one elected thread per warp: count consumer warps
         consumer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_wg * 4)
         pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=producer_group,
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=self.q_stages, producer_group=producer_group,
             consumer_group=consumer_group, tx_count=self.tx_bytes_q, defer_sync=True)
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages,
@@ -565,7 +570,7 @@ class FlashFwdSm90:
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                 pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile, step = self.first_tile_and_step()
         total = self.num_tiles(mQ, vl)
@@ -594,6 +599,8 @@ class FlashFwdSm90:
                                                    cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
                 # Q's buffer is free once the previous tile's O store has read it (see consume)
                 pipe_q.producer_acquire(q_state)
+                if const_expr(self.q_stages > 1):
+                    tQsQ = tQsQ[None, q_state.index]
                 cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 q_state.advance()
                 n_iters = cutlass.max(n_block_max - n_block_min, 0)
@@ -627,7 +634,7 @@ class FlashFwdSm90:
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
 
-        tSrQ = wg_slice_qk.make_fragment_A(wg_slice_qk.partition_A(sQ))        # (MMA, 1, D/16)
+        tSrQ = wg_slice_qk.make_fragment_A(wg_slice_qk.partition_A(sQ))        # (MMA, 1, D/16[, st])
         tSrK = wg_slice_qk.make_fragment_B(wg_slice_qk.partition_B(sK))        # (MMA, 1, D/16, st)
         tOrVt = wg_slice_pv.make_fragment_B(wg_slice_pv.partition_B(sVt))      # (MMA, 1, BN/16, st)
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((BM, Dv)), Float32)
@@ -655,7 +662,7 @@ class FlashFwdSm90:
             if wg == 0:
                 cute.arch.barrier_arrive(barrier_id=_BAR_WG_SCHED, number_of_threads=256)
 
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         tile, step = self.first_tile_and_step()
         total = self.num_tiles(mQ, vl)
@@ -690,8 +697,11 @@ class FlashFwdSm90:
                     n_left_clear = cute.ceil_div(cutlass.max(last_row_lo, 0), BN)
                     n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
                     n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
+                tSrQ_tile = tSrQ
+                if const_expr(self.q_stages > 1):
+                    tSrQ_tile = tSrQ[None, None, None, q_state.index]
                 ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
-                           tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ, tSrK=tSrK,
+                           tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ_tile, tSrK=tSrK,
                            tOrVt=tOrVt, acc_O=acc_O, acc_O_mn=acc_O_mn, tScS_mn=tScS_mn,
                            row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
                            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
