@@ -760,14 +760,8 @@ class FlashFwdSm90:
                     if n_blocks > 0:
                         # the first block (n_block_max - 1) is taken from the group it belongs to:
                         # the right-masked ones, else the unmasked ones, else the left-masked ones
-                        n_right, n_unmasked, n_left = n_masked, n_blocks - n_masked - n_masked_left, n_masked_left
-                        first_masked = n_right > 0 or n_unmasked == 0
-                        if n_right > 0:
-                            n_right = n_right - 1
-                        elif n_unmasked > 0:
-                            n_unmasked = n_unmasked - 1
-                        else:
-                            n_left = n_left - 1
+                        n_right, n_unmasked, n_left, _, first_masked = self.take_first_visit(
+                            n_masked, n_blocks - n_masked - n_masked_left, n_masked_left)
                         self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked)
                         for i in cutlass.range(n_right, unroll=1):
                             kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
@@ -904,6 +898,22 @@ class FlashFwdSm90:
         return m_vis, n_blocks - m_vis - n_tail, n_tail
 
     @cute.jit
+    def take_first_visit(self, n_a, n_b, n_c):
+        """A tile's first visit (S and softmax only, with overlap) comes from the first non-empty
+        of its three visit groups, in visiting order: (the counts left in each group, was it from
+        the first group?, was it not from the second?). (Run-time Booleans: a Python ``not`` of
+        one would be evaluated at trace time.)"""
+        in_a = n_a > 0
+        not_in_b = n_a > 0 or n_b == 0
+        if n_a > 0:
+            n_a = n_a - 1
+        elif n_b > 0:
+            n_b = n_b - 1
+        else:
+            n_c = n_c - 1
+        return n_a, n_b, n_c, in_a, not_in_b
+
+    @cute.jit
     def csr_visits(self, visit, n_mask, n_clear, n_tail, state, steps):
         """Walk a block-sparse tile's key blocks: mask entries with the element predicate,
         clear full entries unmasked, tail full entries with the key-tail mask alone. ``steps``
@@ -913,15 +923,8 @@ class FlashFwdSm90:
         mask_entry, n_block, state) -> state`` every other with trace-time flags."""
         base = 0
         if const_expr(steps.split_first):
-            first_mask_entry = n_mask > 0
-            first_masked = n_mask > 0 or n_clear == 0
-            if n_mask > 0:
-                n_mask = n_mask - 1
-            elif n_clear > 0:
-                n_clear = n_clear - 1
-            else:
-                n_tail = n_tail - 1
-            steps.first(self.block_at(0, visit)[0], first_masked, first_mask_entry, state)
+            n_mask, n_clear, n_tail, in_mask, first_masked = self.take_first_visit(n_mask, n_clear, n_tail)
+            steps.first(self.block_at(0, visit)[0], first_masked, in_mask, state)
             base = 1
         # a method called inside a run-time loop would make the DSL carry its object through
         # the loop (it assumes a call may mutate it): call a local instead
