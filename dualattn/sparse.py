@@ -163,9 +163,11 @@ class BlockSparse:
     def broadcast_shape(self) -> Tuple[int, int]:
         return tuple(self.q2k_full.rowptr.shape[:2])
 
-    def _q2k_versions(self) -> tuple:
-        return tuple(t._version for t in (self.q2k_full.rowptr, self.q2k_full.col,
-                                          self.q2k_mask.rowptr, self.q2k_mask.col))
+    def _q2k_versions(self):
+        from .spec import ValueCheckMemo
+        versions = ValueCheckMemo._versions((self.q2k_full.rowptr, self.q2k_full.col,
+                                             self.q2k_mask.rowptr, self.q2k_mask.col))
+        return versions if versions is not None else object()  # inference tensors: always rebuilt
 
     def _transpose(self):
         # rebuilt when the q->k tensors were changed in place since (their version counters

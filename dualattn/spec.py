@@ -36,22 +36,33 @@ class ValueCheckMemo:
     keeps nothing alive) and version counter together with what else the check read. A tensor
     reused across calls (the same cu_seqlens, key ranges or CSR in every layer) is read back,
     which synchronises, once; a new tensor, or one changed in place through torch since, is
-    checked again. Writes that bypass torch (a raw-pointer kernel) do not move the counter."""
+    checked again. Writes that bypass torch (a raw-pointer kernel) do not move the counter, and
+    tensors made under torch.inference_mode have none: those are checked on every call."""
 
     def __init__(self, capacity: int = 256):
         self._seen: dict = {}
         self._capacity = capacity
 
+    @staticmethod
+    def _versions(tensors):
+        """Their version counters; None where one has none (tensors made under
+        torch.inference_mode do not count in-place changes: never remembered)."""
+        if any(t.is_inference() for t in tensors):
+            return None
+        return tuple(t._version for t in tensors)
+
     def passed(self, what: tuple, *tensors) -> bool:
         hit = self._seen.get((what, tuple(id(t) for t in tensors)))
         return (hit is not None and all(r() is t for r, t in zip(hit[0], tensors))
-                and hit[1] == tuple(t._version for t in tensors))
+                and hit[1] == self._versions(tensors))
 
     def remember(self, what: tuple, *tensors) -> None:
+        versions = self._versions(tensors)
+        if versions is None:
+            return
         if len(self._seen) >= self._capacity:
             self._seen.clear()
-        self._seen[(what, tuple(id(t) for t in tensors))] = (
-            tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors))
+        self._seen[(what, tuple(id(t) for t in tensors))] = (tuple(weakref.ref(t) for t in tensors), versions)
 
     def clear(self) -> None:
         self._seen.clear()

@@ -409,3 +409,19 @@ def test_wide_index_tensors_are_flagged_and_refused_by_32_bit_kernels():
     assert FastSm90Forward().can_implement_static(spec) is None
     reason = FastSm90Forward().can_implement_static(replace(spec, wide_index_tensors=True))
     assert reason and "2**31" in reason
+
+
+def test_value_checks_under_inference_mode_run_every_call():
+    # tensors made under torch.inference_mode count no in-place changes: they are checked on
+    # every call (and never remembered), so an update between calls is still refused
+    with torch.inference_mode():
+        q, k, v, cu, m = vl()
+        dualattn.attention_varlen(q, k, v, cu, cu, m, m, impl="torch")
+        cu[1] += 20
+        raises(ValueError, r"^cu_seqlens_q: must be non-decreasing", dualattn.attention_varlen, q, k, v, cu, cu, m, m)
+        st = torch.tensor([[[[2, 0], [0, 2]]]], dtype=torch.int8)
+        bs = BlockSparse.from_block_states(st, 16, 16, 32, 32)
+        qd, kd, vd = (torch.randn(1, 32, 2, 16) for _ in range(3))
+        dualattn.attention(qd, kd, vd, block_sparse=bs, impl="torch")
+        bs.q2k_full.col.fill_(5)
+        raises(ValueError, r"out of range", dualattn.attention, qd, kd, vd, block_sparse=bs, impl="torch")
