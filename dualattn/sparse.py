@@ -164,9 +164,9 @@ class BlockSparse:
         return tuple(self.q2k_full.rowptr.shape[:2])
 
     def _q2k_versions(self):
-        from .spec import ValueCheckMemo
-        versions = ValueCheckMemo._versions((self.q2k_full.rowptr, self.q2k_full.col,
-                                             self.q2k_mask.rowptr, self.q2k_mask.col))
+        from .spec import version_counters
+        versions = version_counters((self.q2k_full.rowptr, self.q2k_full.col,
+                                     self.q2k_mask.rowptr, self.q2k_mask.col))
         return versions if versions is not None else object()  # inference tensors: always rebuilt
 
     def _transpose(self):

@@ -31,6 +31,14 @@ def set_value_checks(enabled: bool) -> None:
     _VALUE_CHECKS = bool(enabled)
 
 
+def version_counters(tensors):
+    """The tensors' version counters (in-place changes through torch move them); None where one
+    has none (tensors made under torch.inference_mode count no in-place changes)."""
+    if any(t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
+
+
 class ValueCheckMemo:
     """Tensors whose values passed a check, remembered by identity (a weak reference: the memo
     keeps nothing alive) and version counter together with what else the check read. A tensor
@@ -43,29 +51,18 @@ class ValueCheckMemo:
         self._seen: dict = {}
         self._capacity = capacity
 
-    @staticmethod
-    def _versions(tensors):
-        """Their version counters; None where one has none (tensors made under
-        torch.inference_mode do not count in-place changes: never remembered)."""
-        if any(t.is_inference() for t in tensors):
-            return None
-        return tuple(t._version for t in tensors)
-
     def passed(self, what: tuple, *tensors) -> bool:
         hit = self._seen.get((what, tuple(id(t) for t in tensors)))
         return (hit is not None and all(r() is t for r, t in zip(hit[0], tensors))
-                and hit[1] == self._versions(tensors))
+                and hit[1] == version_counters(tensors))
 
     def remember(self, what: tuple, *tensors) -> None:
-        versions = self._versions(tensors)
+        versions = version_counters(tensors)
         if versions is None:
             return
         if len(self._seen) >= self._capacity:
             self._seen.clear()
         self._seen[(what, tuple(id(t) for t in tensors))] = (tuple(weakref.ref(t) for t in tensors), versions)
-
-    def clear(self) -> None:
-        self._seen.clear()
 
 
 VALUE_CHECK_MEMO = ValueCheckMemo()
