@@ -10,6 +10,17 @@ from cutlass import Boolean, Float32, Int32
 
 
 @cute.jit
+def score_or_neg_inf(visible, score):
+    """``score`` where ``visible``, else -inf: one select per element. Writing it as
+    ``if hidden: frag[i] = -inf`` makes the DSL's if-region yield the whole register fragment, and
+    ptxas then re-selects every earlier element at each condition: a select chain quadratic in the
+    fragment size (sm_90a hd128 causal: ~1100 extra instructions per masked key block). Combine
+    conditions with ``&`` / ``|``: Python ``and`` / ``or`` on run-time Booleans also become
+    if-regions."""
+    return Float32(cutlass.select_(visible, score, -Float32.inf))
+
+
+@cute.jit
 def apply_mask(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, row0: Int32, col0: Int32,
                seqlen_q: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32,
                has_left: cutlass.Constexpr, has_right: cutlass.Constexpr):
@@ -25,6 +36,9 @@ def apply_mask(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, row0: Int32, col0: I
             lo = cutlass.max(lo, diag - win_left)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
             j = tScS_mn[0, c][1] + col0
+            # an if-region here, not score_or_neg_inf: on this kernel's mma.sync fragments (fast-sm120
+            # forward) the select form measured worse (sm_120a, hd64 window: 3104 -> 3832 SASS
+            # instructions, spills 44 -> 224 bytes), while the if-region form stays select-free
             if j >= hi or j < lo:
                 acc_S_mn[r, c] = -Float32.inf
 
@@ -80,8 +94,7 @@ def apply_key_ranges(acc_S_mn: cute.Tensor, tScS_mn: cute.Tensor, col0: Int32, k
             inside = Boolean(False)
             for q in cutlass.range_constexpr(num_ranges):
                 inside = inside or (j >= kr[qi, q, 0] and j < kr[qi, q, 1])
-            if not inside:
-                acc_S_mn[r, c] = -Float32.inf
+            acc_S_mn[r, c] = score_or_neg_inf(inside, acc_S_mn[r, c])
 
 
 @cute.jit

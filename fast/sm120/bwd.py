@@ -67,7 +67,7 @@ from cutlass._mlir.dialects import vector
 
 from dualattn.fast.common.block_info import block_needs_mask, csr_row, n_block_range
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
-from dualattn.fast.common.mask import apply_key_ranges, load_key_ranges
+from dualattn.fast.common.mask import apply_key_ranges, load_key_ranges, score_or_neg_inf
 from dualattn.fast.common.packed_entry import PackedEntry
 from dualattn.fast.common.seqlen_info import seq_bounds
 from dualattn.fast.common.softmax import LOG2_E
@@ -788,8 +788,7 @@ class FlashBwdSm80(PackedEntry):
                 lo = cutlass.max(lo, diag - win_left)
             for r in cutlass.range_constexpr(cute.size(acc_mn.shape[0])):
                 j = tScS_mn[r, 0][0] + col0_k
-                if j >= hi or j < lo:
-                    acc_mn[r, c] = -Float32.inf
+                acc_mn[r, c] = score_or_neg_inf((j < hi) & (j >= lo), acc_mn[r, c])
 
     @cute.jit
     def gemm_ss(self, tiled_mma, acc, ld_a, ld_b, tAs, tAr_v, tBs, tBr_v, tAr, tBr, pending=None):

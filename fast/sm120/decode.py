@@ -33,6 +33,7 @@ from cutlass import Boolean, Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warp
 
 from dualattn.fast.common.layouts import acc_as_A, acc_mn_view, smem_layout_rowmajor
+from dualattn.fast.common.mask import score_or_neg_inf
 from dualattn.fast.common.softmax import LN_2, LOG2_E, make_softmax_state, online_softmax_step, quad_sum
 
 from .fwd import SMEM_LIMIT_SM120, FlashFwdSm80
@@ -487,8 +488,7 @@ class FlashDecodeSm80:
                 lo = cutlass.max(lo, diag - win_left)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
                 j = tScS_mn[0, c][1] + col0
-                if j >= hi or j < lo:
-                    acc_S_mn[r, c] = -Float32.inf
+                acc_S_mn[r, c] = score_or_neg_inf((j < hi) & (j >= lo), acc_S_mn[r, c])
 
     @cute.jit
     def load_block(self, g2s: cute.TiledCopy, thr_g2s, tKsK: cute.Tensor, tVsV: cute.Tensor, tCc: cute.Tensor,

@@ -53,6 +53,7 @@ from dualattn.fast.common.mask import (
     block_inside_ranges,
     key_range_span_warp,
     load_key_ranges,
+    score_or_neg_inf,
 )
 from dualattn.fast.common.sm90_pipeline import (
     check_pipeline_config,
@@ -997,9 +998,9 @@ class FlashFwdSm90:
         col0 = n_block * BN
         if const_expr(tail_only):
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                if ctx.tScS_mn[0, c][1] >= ctx.seqlen_k - col0:
-                    for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                        acc_S_mn[r, c] = -Float32.inf
+                in_seq = ctx.tScS_mn[0, c][1] < ctx.seqlen_k - col0
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    acc_S_mn[r, c] = score_or_neg_inf(in_seq, acc_S_mn[r, c])
         else:
             self.mask_predicate(ctx, acc_S_mn, col0)
 
@@ -1041,12 +1042,10 @@ class FlashFwdSm90:
                 lo = row + ctx.seqlen_k - self.q_count(ctx.seqlen_q) - ctx.win_left - col0
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 col = ctx.tScS_mn[0, c][1]
+                visible = col < limit
                 if const_expr(self.mask_left):
-                    if col >= limit or col < lo:
-                        acc_S_mn[r, c] = -Float32.inf
-                else:
-                    if col >= limit:
-                        acc_S_mn[r, c] = -Float32.inf
+                    visible = visible & (col >= lo)
+                acc_S_mn[r, c] = score_or_neg_inf(visible, acc_S_mn[r, c])
         if const_expr(self.num_key_ranges > 0):
             apply_key_ranges(acc_S_mn, ctx.tScS_mn, col0, ctx.kr, self.num_key_ranges)
 
