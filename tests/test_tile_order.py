@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualattn.fast.common.tile_order import heads_per_section, heavy_first_in_sections
+from dualattn.fast.common.tile_order import heads_per_section, heavy_first_in_sections, paired_tile, paired_units
 
 
 @pytest.mark.parametrize("num_m_blocks, num_bh, section", [
@@ -35,3 +35,55 @@ def test_heads_per_section_fits_the_budget():
     assert heads_per_section(1 << 20, row, max, 24 << 20) == 1  # a head larger than the budget
     assert heads_per_section(0, row, max, 24 << 20) == (24 << 20) // row  # no keys: any number
     assert heads_per_section(1 << 30, 1024, max, 24 << 20) == 1  # no 32-bit overflow on the way
+
+
+def _paired_schedule(num_m_blocks, num_bh, num_sms):
+    """Per CTA, the (m_block, bh) it runs in order, as the kernel's grid and slot loop give them."""
+    ctas = min(paired_units(num_m_blocks, num_bh), num_sms)
+    slots = 2 * ctas * -(-paired_units(num_m_blocks, num_bh) // ctas)
+    runs = [[] for _ in range(ctas)]
+    for t in range(slots):
+        m, bh, valid = paired_tile(t, ctas, num_m_blocks, num_bh)
+        if valid:
+            runs[t % ctas].append((m, bh))
+    return runs
+
+
+@pytest.mark.parametrize("num_m_blocks, num_bh, num_sms", [
+    (8, 256, 132), (7, 256, 132), (1, 5, 132), (2, 3, 132), (3, 1, 132), (128, 16, 132), (9, 40, 7),
+    (16, 128, 1), (5, 2, 4)])
+def test_paired_order_runs_every_tile_once(num_m_blocks, num_bh, num_sms):
+    runs = _paired_schedule(num_m_blocks, num_bh, num_sms)
+    tiles = sorted(t for r in runs for t in r)
+    assert tiles == [(m, bh) for m in range(num_m_blocks) for bh in range(num_bh)]
+    for r in runs:  # a unit's two blocks back to back, the heavier first, same head
+        i = 0
+        while i < len(r):
+            m0, bh0 = r[i]
+            if 2 * m0 == num_m_blocks - 1:  # an odd count's middle block: a unit of its own
+                i += 1
+                continue
+            m1, bh1 = r[i + 1]
+            assert bh0 == bh1 and m0 + m1 == num_m_blocks - 1 and m0 > m1
+            i += 2
+
+
+@pytest.mark.parametrize("seqlen, head_dim", [(512, 128), (1024, 128), (2048, 128), (4096, 128), (1024, 64),
+                                              (8192, 64), (1024, 256)])
+def test_paired_order_balances_causal_work(seqlen, head_dim):
+    """The bench's causal shapes (16k tokens, heads x dim = 2048) on 132 SMs: with a tile costing
+    its key blocks plus a fixed overhead, the busiest CTA has at most one unit more than the mean,
+    and no more than the heaviest-first stride over sections leaves it."""
+    nm, bh, sms, overhead = seqlen // 128, (16384 // seqlen) * (2048 // head_dim), 132, 1.2
+
+    def cost(m):
+        return overhead + m + 1
+
+    work = [sum(cost(m) for m, _ in r) for r in _paired_schedule(nm, bh, sms)]
+    mean = sum(cost(m) for m in range(nm)) * bh / len(work)
+    assert max(work) - mean <= nm + 1 + 2 * overhead
+    section = min(heads_per_section(seqlen, head_dim * 4, max, 32 << 20), bh)
+    strided = [0.0] * sms
+    for t in range(nm * bh):
+        strided[t % sms] += cost(heavy_first_in_sections(t, nm, bh, section, min)[0])
+    assert mean / max(work) >= 0.96 and max(work) <= max(strided) + 1e-9

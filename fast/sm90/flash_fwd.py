@@ -47,7 +47,8 @@ from cutlass.utils import LayoutEnum
 from cutlass import Boolean
 
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
-from dualattn.fast.common.tile_order import heads_per_section, heavy_first_in_sections
+from dualattn.fast.common.tile_order import (heads_per_section, heavy_first_in_sections, paired_tile,
+                                              paired_units)
 from dualattn.fast.common.mask import (
     apply_key_ranges,
     block_inside_ranges,
@@ -196,6 +197,9 @@ class FlashFwdSm90:
         self.pingpong = pingpong
         self.overlap = overlap
         self.persistent = persistent
+        # causal / right-bounded tiles on the persistent grid go in pairs of equal work
+        # (tile_order.paired_tile); varlen keeps heaviest first across its uneven sequences
+        self.paired = persistent and self.mask_right and not varlen and not self.dynamic_mask
         # O staged in its own buffer: Q's buffer is handed back before the epilogue, so the next
         # tile's Q load overlaps this tile's epilogue (where shared memory allows it)
         self.separate_o = separate_o
@@ -304,6 +308,9 @@ class FlashFwdSm90:
         if const_expr(self.persistent):
             # one CTA per SM (shared memory allows one), each walking tiles with a stride
             grid = (cutlass.min(self.num_tiles(mQ, vl), num_sms), 1, 1)
+            if const_expr(self.paired):
+                grid = (cutlass.min(paired_units(num_m_blocks, cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])),
+                                    num_sms), 1, 1)
         # varlen copies O from shared memory with row-predicated stores (a TMA store of a tile
         # would write past a sequence's end into the next one), so it gets the plain gmem tensor
         self.kernel(
@@ -479,16 +486,32 @@ class FlashFwdSm90:
         return cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m) * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
 
     @cute.jit
+    def num_slots(self, mQ, vl=None):
+        """Bound of the tile loop: the tiles, or with the paired order its slots (two per unit,
+        whole rounds of the grid; tile_order.paired_tile)."""
+        n = self.num_tiles(mQ, vl)
+        if const_expr(self.paired):
+            gx = cute.arch.grid_dim()[0]
+            units = paired_units(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
+                                 cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]))
+            n = 2 * gx * cute.ceil_div(units, gx)
+        return n
+
+    @cute.jit
     def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None):
         """(m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
-        offset_k) of a linear tile index; the offsets are the sequence's first row in the packed
-        tensors (varlen; 0 otherwise). A varlen tile past its sequence's end gets no key blocks.
+        offset_k, active) of a linear tile index; the offsets are the sequence's first row in the
+        packed tensors (varlen; 0 otherwise). ``active``: the tile has rows to compute, which
+        producer and consumers both test (no Q load, no epilogue otherwise): false for varlen
+        tiles past their sequence's end (the grid covers max_seqlen_q) and the paired order's
+        empty slots.
 
         Non-causal: m_block varies fastest, so CTAs running together share a head's K/V in L2.
         Causal: the heaviest query blocks come first (longest-processing-time first), which the
-        round-robin assignment of the persistent grid (or the launch order) then balances; not
-        across all heads at once but within sections of heads whose K/V fit in L2
-        (fast/common/tile_order; varlen: across all, the lengths differ per sequence).
+        launch order then balances; not across all heads at once but within sections of heads
+        whose K/V fit in L2 (fast/common/tile_order; varlen: across all, the lengths differ per
+        sequence). Causal on the persistent grid (``paired``): pairs of query blocks of equal
+        total work, one pair per CTA at a time (tile_order.paired_tile).
         """
         BM, BN = self.tile_m, self.tile_n
         seqlen_q = cute.size(mQ.shape[0])  # g * Sq rows with pack_gqa
@@ -502,9 +525,12 @@ class FlashFwdSm90:
         num_heads = cute.size(mQ.shape[2])
         m_block = tile % num_m_blocks
         rest = tile // num_m_blocks
+        active = Boolean(True)
         if const_expr(self.mask_right):
             hb = num_heads * num_batch
-            if const_expr(self.varlen):
+            if const_expr(self.paired):
+                m_block, rest, active = paired_tile(tile, cute.arch.grid_dim()[0], num_m_blocks, hb)
+            elif const_expr(self.varlen):
                 m_block = num_m_blocks - 1 - tile // hb
                 rest = tile % hb
             else:
@@ -542,8 +568,9 @@ class FlashFwdSm90:
             # visits no key block and stores nothing (row predicates)
             if m_block * BM >= seqlen_q:
                 n_block_max = n_block_min
+            active = m_block * BM < seqlen_q
         return (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k,
-                offset_q, offset_k)
+                offset_q, offset_k, active)
 
     @cute.jit
     def first_tile_and_step(self):
@@ -558,27 +585,17 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def tile_active(self, m_block, seqlen_q):
-        """Has this tile rows to compute? Always, except varlen tiles past their sequence's end
-        (the grid covers max_seqlen_q): producer and consumers then skip the tile altogether
-        (no Q load, no epilogue), both deciding from the same tile_coords."""
-        active = Boolean(True)
-        if const_expr(self.varlen):
-            active = m_block * self.tile_m < seqlen_q
-        return active
-
-    @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                 pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile, step = self.first_tile_and_step()
-        total = self.num_tiles(mQ, vl)
+        total = self.num_slots(mQ, vl)
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, _,
-             offset_q, offset_k) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
-            if self.tile_active(m_block, seqlen_q):
+             offset_q, offset_k, active) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
+            if active:
                 if const_expr(self.varlen):
                     # packed tensors: the sequence starts at row offset_*; loads that run past its
                     # end read the next sequence's rows (keys masked, rows never stored) or zeros
@@ -666,11 +683,11 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         tile, step = self.first_tile_and_step()
-        total = self.num_tiles(mQ, vl)
+        total = self.num_slots(mQ, vl)
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
-             offset_q, _) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
-            if self.tile_active(m_block, seqlen_q):
+             offset_q, _, active) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
+            if active:
                 n_blocks = cutlass.max(n_block_max - n_block_min, 0)
                 acc_O.fill(0.0)
                 row_max.fill(-Float32.inf)
