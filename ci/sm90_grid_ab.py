@@ -3,8 +3,9 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
 
     python ci/sm90_grid_ab.py persistent   # the default grid against the persistent grid
     python ci/sm90_grid_ab.py q_stages     # the default Q buffers against one Q buffer
+    python ci/sm90_grid_ab.py paired       # causal pairs of equal work against heaviest first
 
-The figures behind fast/sm90's _short_masked_tiles and FastSm90Forward.q_stages came from it.
+The figures behind fast/sm90's _short_masked_tiles, FastSm90Forward.q_stages and .paired came from it.
 """
 import statistics
 import sys
@@ -14,7 +15,8 @@ import torch
 import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
 
-KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer")}
+KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer"),
+         "paired": ("_PAIRED_ENV", "0", "heaviest first")}
 
 
 def main(knob: str):
@@ -26,6 +28,9 @@ def main(knob: str):
     if knob == "persistent":
         cells += B.filter_cells(fwd, groups=["dense"], head_dims=[128, 256], causal=True)
         cells += B.filter_cells(fwd, groups=["gqa"], causal=True)
+    elif knob == "paired":
+        cells = B.filter_cells(fwd, groups=["window"]) + B.filter_cells(fwd, groups=["dense", "gqa"],
+                                                                          head_dims=[64, 128], causal=True)
     else:
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], head_dims=[64, 96, 128])
     for cell in cells:

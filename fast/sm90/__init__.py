@@ -44,6 +44,7 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128, 192, 256)
 _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 _PACK_GQA_ENV = os.environ.get("DUALATTN_SM90_PACK_GQA", "")  # see FastSm90Forward.pack_gqa
 _Q_STAGES_ENV = os.environ.get("DUALATTN_SM90_Q_STAGES", "")  # see FastSm90Forward.q_stages
+_PAIRED_ENV = os.environ.get("DUALATTN_SM90_PAIRED", "")  # see FastSm90Forward.paired
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -273,7 +274,8 @@ class FastSm90Forward:
         g = self.pack_gqa(spec)
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
-                *self.mask_flags(spec), *self.config(spec), self.q_stages(spec), L2_SECTION_BYTES,
+                *self.mask_flags(spec), *self.config(spec), self.q_stages(spec), self.paired(spec),
+                L2_SECTION_BYTES,
                 arch_string(arch))
 
     @classmethod
@@ -297,6 +299,18 @@ class FastSm90Forward:
         # struct's real size at trace time)
         return 2 if need + 1024 <= SMEM_LIMIT["sm_90a"] else 1
 
+    @classmethod
+    def paired(cls, spec) -> bool:
+        """Causal / right-bounded tiles on the persistent grid run in pairs of equal work
+        (fast/common/tile_order.paired_tile) instead of heaviest first in L2 sections, which left
+        11-13 % of the SM time idle at hd128 1k-4k. Not varlen (its sequences differ in length:
+        heaviest first across them) nor key ranges / block-sparse (one CTA per tile).
+        DUALATTN_SM90_PAIRED=0 turns it off (comparisons)."""
+        persistent = cls.config(spec)[5]
+        masked_right = spec.causal or spec.window[1] >= 0
+        return (persistent and masked_right and spec.mode != "varlen" and not spec.has_key_ranges
+                and not spec.has_block_sparse and _PAIRED_ENV != "0")
+
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
         tile_m, tile_n, stages, pingpong, overlap, persistent, separate_o = self.config(spec)
@@ -306,7 +320,8 @@ class FastSm90Forward:
                             window_left=wl, window_right=wr, softcap=sc,
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
-                            num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec))
+                            num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec),
+                            paired=self.paired(spec))
 
     @staticmethod
     def arg_schema(spec):

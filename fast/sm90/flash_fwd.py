@@ -159,7 +159,7 @@ class FlashFwdSm90:
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
-                 num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1):
+                 num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False):
         self.dtype = dtype
         # pack_gqa = g > 1: the g query heads of one KV head share the M tile, row r of the tile
         # being query (m_block * tile_m + r) // g of head r % g (see tensors_from_pointers); the
@@ -197,9 +197,10 @@ class FlashFwdSm90:
         self.pingpong = pingpong
         self.overlap = overlap
         self.persistent = persistent
-        # causal / right-bounded tiles on the persistent grid go in pairs of equal work
-        # (tile_order.paired_tile); varlen keeps heaviest first across its uneven sequences
-        self.paired = persistent and self.mask_right and not varlen and not self.dynamic_mask
+        # causal / right-bounded tiles on the persistent grid in pairs of equal work
+        # (tile_order.paired_tile; FastSm90Forward.paired decides)
+        assert not paired or (persistent and self.mask_right and not varlen and not self.dynamic_mask)
+        self.paired = paired
         # O staged in its own buffer: Q's buffer is handed back before the epilogue, so the next
         # tile's Q load overlaps this tile's epilogue (where shared memory allows it)
         self.separate_o = separate_o
