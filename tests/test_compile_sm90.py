@@ -458,9 +458,9 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True
     assert FastSm90Forward.config(_spec(64, True))[0] == 128
-    # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile from 2560 keys
+    # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile past 4096 keys
     assert FastSm90Forward.config(_spec(64, True))[5] is True
-    assert FastSm90Forward.config(_spec(128, True, sq=4096, sk=4096))[5] is False
+    assert FastSm90Forward.config(_spec(128, True, sq=8192, sk=8192))[5] is False
     # causal from 16k queries: 3 warpgroups too, one CTA per tile
     long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
     assert long_causal[0] == 192 and long_causal[3] is True and long_causal[5] is False
@@ -555,7 +555,7 @@ def test_pack_gqa_kernels_compile_with_a_5d_q_box(d, hq, hkv, causal, window):
 
 @pytest.mark.compile_only
 def test_short_masked_tiles_run_the_persistent_grid():
-    """Causal / windowed calls at D <= 128 whose longest tile visits at most 2560 keys take the
+    """Causal / windowed calls at D <= 128 whose longest tile visits at most PERSISTENT_MAX_TILE_KEYS (4096) keys take the
     persistent grid (H100 A/B in FastSm90Forward's _short_masked_tiles); longer causal ones,
     hd256, key ranges and CSRs keep one CTA per tile."""
     from dualattn.fast.sm90 import PERSISTENT_MAX_TILE_KEYS
