@@ -39,7 +39,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.utils import LayoutEnum
@@ -1181,7 +1181,7 @@ class FlashFwdSm90:
         self.convert_P(acc_S, tOrP)
         ctx.pipe_v.consumer_wait(kv_state)
         self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state.index],
-                  False)
+                  False, a_in_registers=True)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()
@@ -1214,7 +1214,7 @@ class FlashFwdSm90:
         acc_S = self.qk(ctx, kv_state)
         ctx.pipe_v.consumer_wait(kv_state_v)
         self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state_v.index],
-                  False)
+                  False, a_in_registers=True)
         self.sched_arrive(ctx)
         warpgroup.wait_group(1)         # S is ready, P V may still run
         ctx.pipe_k.consumer_release(kv_state)
@@ -1233,14 +1233,24 @@ class FlashFwdSm90:
     def last_half_block(self, ctx, kv_state, tOrP):
         ctx.pipe_v.consumer_wait(kv_state)
         self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state.index],
-                  False)
+                  False, a_in_registers=True)
         warpgroup.wait_group(0)
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
 
     @cute.jit
-    def gemm(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr):
+    def gemm(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr,
+             a_in_registers: cutlass.Constexpr = False):
+        if const_expr(a_in_registers):
+            # P V: pack P's 16-bit halves into the 32-bit operand registers before the fence.
+            # Packed inside the k loop (where LLVM put them at hd192 / hd256's narrow key tiles),
+            # they define wgmma operands after the fence, and ptxas injects a warpgroup.arrive
+            # before each wgmma (warning C7519)
+            words = cute.recast_tensor(tCrA, Uint32)
+            packed = cute.make_rmem_tensor_like(words)
+            packed.store(words.load())
+            tCrA = cute.recast_tensor(packed, tCrA.element_type)
         warpgroup.fence()
         atom = cute.make_mma_atom(tiled_mma.op)
         atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
