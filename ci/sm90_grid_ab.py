@@ -4,7 +4,6 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py persistent   # the default grid against the persistent grid
     python ci/sm90_grid_ab.py q_stages     # the default Q buffers against one Q buffer
     python ci/sm90_grid_ab.py paired       # causal pairs of equal work against heaviest first
-    python ci/sm90_grid_ab.py late_p       # P converted at the next step's start (FlashFwdSm90.late_p)
 
 The figures behind fast/sm90's _short_masked_tiles, FastSm90Forward.q_stages and .paired came from it.
 """
@@ -17,7 +16,7 @@ import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
 
 KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer"),
-         "paired": ("_PAIRED_ENV", "0", "heaviest first"), "late_p": ("_LATE_P_ENV", "1", "late P")}
+         "paired": ("_PAIRED_ENV", "0", "heaviest first")}
 
 
 def main(knob: str):
@@ -29,8 +28,6 @@ def main(knob: str):
     if knob == "persistent":
         cells += B.filter_cells(fwd, groups=["dense"], head_dims=[128, 256], causal=True)
         cells += B.filter_cells(fwd, groups=["gqa"], causal=True)
-    elif knob == "late_p":
-        cells += B.filter_cells(fwd, groups=["dense", "gqa"], head_dims=[64, 128, 256])
     elif knob == "paired":
         cells = B.filter_cells(fwd, groups=["window"]) + B.filter_cells(fwd, groups=["dense", "gqa"],
                                                                           head_dims=[64, 128], causal=True)

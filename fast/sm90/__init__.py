@@ -45,7 +45,6 @@ _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 _PACK_GQA_ENV = os.environ.get("DUALATTN_SM90_PACK_GQA", "")  # see FastSm90Forward.pack_gqa
 _Q_STAGES_ENV = os.environ.get("DUALATTN_SM90_Q_STAGES", "")  # see FastSm90Forward.q_stages
 _PAIRED_ENV = os.environ.get("DUALATTN_SM90_PAIRED", "")  # see FastSm90Forward.paired
-_LATE_P_ENV = os.environ.get("DUALATTN_SM90_LATE_P", "")  # see FastSm90Forward.late_p
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -279,7 +278,7 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.q_stages(spec), self.paired(spec),
-                self.late_p(spec), L2_SECTION_BYTES,
+                L2_SECTION_BYTES,
                 arch_string(arch))
 
     @classmethod
@@ -315,12 +314,6 @@ class FastSm90Forward:
         return (persistent and masked_right and spec.mode != "varlen" and not spec.has_key_ranges
                 and not spec.has_block_sparse and _PAIRED_ENV != "0")
 
-    @classmethod
-    def late_p(cls, spec) -> bool:
-        """P converted and O rescaled at the start of the next key block's step (FlashFwdSm90's
-        late_p). DUALATTN_SM90_LATE_P=1 / 0 forces it (comparisons)."""
-        return cls.config(spec)[4] and _LATE_P_ENV == "1"
-
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
         tile_m, tile_n, stages, pingpong, overlap, persistent, separate_o = self.config(spec)
@@ -331,7 +324,7 @@ class FastSm90Forward:
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
                             num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec),
-                            paired=self.paired(spec), late_p=self.late_p(spec))
+                            paired=self.paired(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -159,8 +159,7 @@ class FlashFwdSm90:
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
-                 num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
-                 late_p: bool = False):
+                 num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False):
         self.dtype = dtype
         # pack_gqa = g > 1: the g query heads of one KV head share the M tile, row r of the tile
         # being query (m_block * tile_m + r) // g of head r % g (see tensors_from_pointers); the
@@ -202,13 +201,6 @@ class FlashFwdSm90:
         # (tile_order.paired_tile; FastSm90Forward.paired decides)
         assert not paired or (persistent and self.mask_right and not varlen and not self.dynamic_mask)
         self.paired = paired
-        # intra-warpgroup overlap with P converted (and O rescaled) at the start of the next
-        # step, before its GEMMs are issued, instead of right after the softmax: ptxas otherwise
-        # interleaves the conversion with the softmax's exp2 and, since it writes the registers
-        # the in-flight P V reads, moves that GEMM's wait up to before the softmax (SASS: the two
-        # WARPGROUP.DEPBAR back to back), so the softmax never overlapped this warpgroup's P V
-        assert not late_p or overlap
-        self.late_p = late_p
         # O staged in its own buffer: Q's buffer is handed back before the epilogue, so the next
         # tile's Q load overlaps this tile's epilogue (where shared memory allows it)
         self.separate_o = separate_o
@@ -668,8 +660,6 @@ class FlashFwdSm90:
         acc_O_mn = cute.make_tensor(acc_O.iterator, _acc_mn_layout(acc_O.layout))
         tOrP = cute.make_rmem_tensor(_frg_a_shape(thr_mma_qk.partition_shape_C((BM, BN))),
                                      self.dtype)
-        # late_p: S / P (fp32) and the row corrections live from one step to the next
-        acc_S_buf = cute.make_rmem_tensor(thr_mma_qk.partition_shape_C((BM, BN)), Float32)
 
         # element coordinates of this thread's accumulator entries, (row, col) within the tile
         cS = cute.make_identity_tensor((BM, BN))
@@ -735,8 +725,7 @@ class FlashFwdSm90:
                            row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
                            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
                            win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
-                           softcap_val=softcap_val, kr=None, inter=None, acc_S=acc_S_buf,
-                           corr=cute.make_rmem_tensor_like(row_max, Float32))
+                           softcap_val=softcap_val, kr=None, inter=None)
                 if const_expr(self.dynamic_mask):
                     n_blocks, visit, ctx.inter = self.visit_plan(
                         m_block, head_idx, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q,
@@ -1162,10 +1151,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def qk(self, ctx, kv_state):
-        acc_S = ctx.acc_S
-        if const_expr(not self.late_p):
-            acc_S = cute.make_rmem_tensor(ctx.thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
-                                          Float32)
+        acc_S = cute.make_rmem_tensor(ctx.thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                      Float32)
         self.gemm(ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv_state.index],
                   True)
         return acc_S
@@ -1214,19 +1201,14 @@ class FlashFwdSm90:
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
         self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
-        corr = ctx.corr
-        if const_expr(not self.late_p):
-            corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
+        corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)  # O is still zero: no rescale needed
-        if const_expr(not self.late_p):
-            self.convert_P(acc_S, tOrP)
+        self.convert_P(acc_S, tOrP)
 
     @cute.jit
     def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP, csr_mask_entry=True):
         kv_state_v = kv_state.clone()   # V of the previous block
         kv_state.advance()              # K of this block
-        if const_expr(self.late_p):
-            self.late_p_step(ctx, tOrP)
         ctx.pipe_k.consumer_wait(kv_state)
         self.sched_sync(ctx)
         acc_S = self.qk(ctx, kv_state)
@@ -1239,43 +1221,16 @@ class FlashFwdSm90:
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
         self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
-        corr = ctx.corr
-        if const_expr(not self.late_p):
-            corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
+        corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)
-        if const_expr(self.late_p):
-            self.wait_gemms_here(ctx)
-        else:
-            warpgroup.wait_group(0)     # P V done: tOrP and O may be touched again
+        warpgroup.wait_group(0)         # P V done: tOrP and O may be touched again
         ctx.pipe_v.consumer_release(kv_state_v)
-        if const_expr(not self.late_p):
-            self.convert_P(acc_S, tOrP)
-            self.rescale_O(ctx, corr)
+        self.convert_P(acc_S, tOrP)
+        self.rescale_O(ctx, corr)
         return kv_state
 
     @cute.jit
-    def wait_gemms_here(self, ctx):
-        """wgmma.wait_group(0) where the program puts it. ptxas schedules the wait (a
-        WARPGROUP.DEPBAR, no register operands) as early as it can, i.e. right after the
-        wait_group(1) before the softmax, so this warpgroup's softmax never overlapped its own
-        P V. Behind a branch on a run-time value it cannot move up (Sk > -1: always true; both
-        sides wait, so the branch changes nothing else)."""
-        if ctx.seqlen_k > -1:
-            warpgroup.wait_group(0)
-        else:
-            warpgroup.wait_group(0)
-
-    @cute.jit
-    def late_p_step(self, ctx, tOrP):
-        """late_p: the previous step's P to 16 bits and O rescaled by its row corrections, with
-        no GEMM of this warpgroup in flight (O *= corr before P V adds P V: the same result)."""
-        self.convert_P(ctx.acc_S, tOrP)
-        self.rescale_O(ctx, ctx.corr)
-
-    @cute.jit
     def last_half_block(self, ctx, kv_state, tOrP):
-        if const_expr(self.late_p):
-            self.late_p_step(ctx, tOrP)
         ctx.pipe_v.consumer_wait(kv_state)
         self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state.index],
                   False, a_in_registers=True)
