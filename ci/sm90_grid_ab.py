@@ -4,9 +4,12 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py persistent   # the default grid against the persistent grid
     python ci/sm90_grid_ab.py q_stages     # the default Q buffers against one Q buffer
     python ci/sm90_grid_ab.py paired       # causal pairs of equal work against heaviest first
+    python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
+                                                     # override, on that head dim's dense cells
 
 The figures behind fast/sm90's _short_masked_tiles, FastSm90Forward.q_stages and .paired came from it.
 """
+import os
 import statistics
 import sys
 
@@ -19,8 +22,16 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "paired": ("_PAIRED_ENV", "0", "heaviest first")}
 
 
-def main(knob: str):
-    attr, value, label = KNOBS[knob]
+def _set_tiles():
+    """setattr stand-in for the tiles knob: the override is read from the environment per call."""
+    def set_(_module, _attr, value):
+        os.environ["DUALATTN_SM90_TILES"] = value
+    return set_
+
+
+def main(knob: str, tiles: str = ""):
+    attr, value, label = KNOBS[knob] if knob != "tiles" else ("", tiles, f"tiles {tiles}")
+    set_knob = _set_tiles() if knob == "tiles" else setattr
     impl = sm90.FORWARD
     timer = B.Timer(warmup=3, reps=10)
     fwd = B.standard_matrix(("fwd",))
@@ -28,6 +39,8 @@ def main(knob: str):
     if knob == "persistent":
         cells += B.filter_cells(fwd, groups=["dense"], head_dims=[128, 256], causal=True)
         cells += B.filter_cells(fwd, groups=["gqa"], causal=True)
+    elif knob == "tiles":
+        cells = B.filter_cells(fwd, groups=["dense"], head_dims=[int(tiles.split(":")[0])])
     elif knob == "paired":
         cells = B.filter_cells(fwd, groups=["window"]) + B.filter_cells(fwd, groups=["dense", "gqa"],
                                                                           head_dims=[64, 128], causal=True)
@@ -40,7 +53,7 @@ def main(knob: str):
             ms = {"": [], value: []}
             for _ in range(3):
                 for mode in ("", value):
-                    setattr(sm90, attr, mode)
+                    set_knob(sm90, attr, mode)
                     impl._entries.clear()
                     r = B.dualattn_runner(impl, inp, csr)
                     ms[mode].append(timer.time_ms(r.fn)[0])
@@ -50,8 +63,8 @@ def main(knob: str):
                   f"ratio {a / b:.3f}", flush=True)
         del inp
         torch.cuda.empty_cache()
-    setattr(sm90, attr, "")
+    set_knob(sm90, attr, "")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "persistent")
+    main(*sys.argv[1:3]) if len(sys.argv) > 1 else main("persistent")

@@ -454,16 +454,23 @@ def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
 def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
     32 / 160 per producer / consumer thread, the epilogue barrier over 384 threads, the GEMM
-    issue ordered in a ring of three named barriers); causal keeps 2 warpgroups with ping-pong."""
+    issue ordered in a ring of three named barriers); causal below 4k queries keeps 2."""
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True
     assert FastSm90Forward.config(_spec(64, True))[0] == 128
     # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile past 4096 keys
     assert FastSm90Forward.config(_spec(64, True))[5] is True
     assert FastSm90Forward.config(_spec(128, True, sq=8192, sk=8192))[5] is False
-    # causal from 16k queries: 3 warpgroups too, one CTA per tile
+    # causal from 4k queries: 3 warpgroups too; with 4 stages on the persistent grid (paired
+    # order) below 16k queries, one CTA per tile and 3 stages from there
+    mid_causal = _spec(64, True, sq=8192, sk=8192)
+    assert FastSm90Forward.config(mid_causal)[:3] == (192, 128, 4) and FastSm90Forward.config(mid_causal)[5]
+    assert FastSm90Forward.paired(mid_causal) and FastSm90Forward.q_stages(mid_causal) == 2
+    kern = FORWARD.make_kernel(mid_causal)
+    assert kern.num_mma_wg == 3 and kern.smem_bytes <= 227 * 1024
+    assert FastSm90Forward.config(_spec(64, True, sq=4095, sk=4095))[0] == 128
     long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
-    assert long_causal[0] == 192 and long_causal[3] is True and long_causal[5] is False
+    assert long_causal[:3] == (192, 128, 3) and long_causal[3] is True and long_causal[5] is False
     assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert ".reqntid 512, 1, 1" in ptx

@@ -50,6 +50,9 @@ for _c in (False, True):
         _case("q1k239", 1, 1, 239, 2, 1, _d, "bfloat16", _c)
         _case("q203k113", 2, 203, 113, 4, 4, _d, "bfloat16", _c)  # causal: fully masked rows
     _case("long", 1, 4224, 4224, 2, 2, 128, "bfloat16", _c)
+    # hd64 from 4k queries: 3 consumer warpgroups (causal: 4 stages, paired persistent order)
+    _case("long", 1, 4224, 4224, 2, 2, 64, "bfloat16", _c)
+    _case("long-odd", 1, 4301, 4157, 4, 2, 64, "bfloat16", _c)
     for _hkv in (1, 2, 4, 8):  # GQA ratios 8, 4, 2, 1
         _case(f"gqa8to{_hkv}", 2, 300, 300, 8, _hkv, 128, "bfloat16", _c)
     _case("gqa6to2", 1, 257, 129, 6, 2, 64, "bfloat16", _c)   # ratio 3

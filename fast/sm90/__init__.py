@@ -110,7 +110,8 @@ def _short_masked_tiles(spec) -> bool:
     return keys <= PERSISTENT_MAX_TILE_KEYS
 
 
-CAUSAL_3WG_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs 3 warpgroups (below)
+CAUSAL_3WG_MIN_SEQLEN = 4096  # causal hd64 from this many queries runs 3 warpgroups (below)
+CAUSAL_PER_TILE_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs one CTA per tile
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
 
@@ -123,7 +124,13 @@ def _three_warpgroups(spec) -> bool:
     192-row tiles straddle the diagonal longer), so causal below 16k queries, windows, key ranges
     and block-sparse keep 2. With the round-robin GEMM order (2026-11-24, H100, one lease, causal,
     2 -> 3 warpgroups, TFLOP/s): 1k 236 -> 157, 2k 312 -> 262, 4k 401 -> 351, 8k 446 -> 447-450,
-    16k 441-480 -> 505 (persistent) / 517 (one CTA per tile, which causal 3-warpgroup calls run)."""
+    16k 441-480 -> 505 (persistent) / 517 (one CTA per tile, which causal 3-warpgroup calls run).
+    After the mask became one select per element (the 192-row causal tile no longer spills) and
+    with the paired causal order, 3 warpgroups with 4 stages on the persistent grid against the
+    2-warpgroup default (2026-11-24, H100, one process: ci/sm90_grid_ab.py tiles
+    64:128,4,1,1,3): causal 4k 405 -> 416, 8k 422 -> 468, but 512-2k 0.87-0.92x and 16k 0.98x
+    (where the default already is 3 warpgroups, 3 stages, one CTA per tile): so causal hd64 runs
+    3 warpgroups from 4k queries (FastSm90Forward.config gives them 4 stages below 16k)."""
     return _plain_hd64(spec) and (not spec.causal or spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN)
 
 
@@ -219,11 +226,12 @@ class FastSm90Forward:
         # tile's epilogue with the next one's loads wins (H100, 1k-16k causal, TFLOP/s: 196 /
         # 291 / 368 / 406 / 445 per-tile grid -> 237 / 321 / 391 / 439 / 465 persistent); so do
         # causal / windowed calls at D <= 128 whose tiles visit few keys (_short_masked_tiles;
-        # hd128 causal from 4k and hd256 lose with it)
+        # hd128 causal past 4k keys and hd256 lose with it)
         # a right window bound alone is causal-like (uneven tiles, heaviest first)
         masked_right = spec.causal or spec.window[1] >= 0
         persistent = (not (masked_right or spec.has_key_ranges or spec.has_block_sparse)
-                      or (_plain_hd64(spec) and not _three_warpgroups(spec)) or _short_masked_tiles(spec)) \
+                      or (_plain_hd64(spec) and spec.seqlen_q < CAUSAL_PER_TILE_MIN_SEQLEN)
+                      or _short_masked_tiles(spec)) \
             if _PERSISTENT_ENV == "" else _PERSISTENT_ENV != "0"
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
         pingpong = spec.head_dim <= 128
@@ -236,6 +244,8 @@ class FastSm90Forward:
         # blocks are multiples of the 128-row tile). With 3 the ping-pong is a round robin of
         # the three warpgroups' GEMM issue (FA4 orders its 3 warpgroups the same way at D <= 128)
         wgs = 3 if _three_warpgroups(spec) else 2
+        if wgs == 3 and masked_right and persistent and not override:
+            stages = 4  # causal 192-row tiles on the persistent grid (see _three_warpgroups)
         if len(override) > 4 and not spec.has_block_sparse:
             wgs = override[4]
         return 64 * wgs, tile_n, stages, pingpong, True, persistent, separate_o
