@@ -1,0 +1,75 @@
+"""SASS of the fast-sm90 kernels (CPU, compile_only): assembled for sm_90a by the ptxas that Triton
+ships, disassembled by its cuobjdump. Guards two code-generation regressions found on the H100:
+
+* a mask written as ``if hidden: frag[i] = -inf`` made the DSL's if-region yield the whole register
+  fragment and ptxas re-selected every earlier element at each condition (hd128 causal: 2025
+  ``FSEL``, 24 bytes of spills; now one select per element: 134);
+* P packed into its 32-bit wgmma operands after the GEMM's fence made ptxas inject a
+  ``warpgroup.arrive`` before each P V wgmma (warning C7519, hd192 / hd256).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+triton = pytest.importorskip("triton")
+
+from dualattn.spec import AttentionSpec  # noqa: E402
+from dualattn.fast.sm90 import FastSm90Forward  # noqa: E402
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def _spec(d, causal, sq, **kw):
+    return AttentionSpec("batched", 2, sq, sq, 8, 8, d, d, torch.bfloat16, "cuda", causal=causal,
+                         return_lse=True, **kw)
+
+
+# (id, spec, spill bytes allowed). The 3-warpgroup causal hd64 tile (160 registers per consumer
+# thread) spills one register in ptxas 12.9 (4 bytes); it was measured faster than 2 warpgroups
+# all the same (docs/bench-h100-20261124.md section 15). Before the mask fix it spilled 308 bytes.
+CONFIGS = [
+    ("hd128-causal-1k", _spec(128, True, 1024), 0),
+    ("hd64-causal-8k-3wg", _spec(64, True, 8192), 8),
+    ("hd128-window", _spec(128, True, 4096, window=(256, 0)), 0),
+    ("hd128-tail", _spec(128, False, 1000), 0),
+    ("hd256-causal", _spec(256, True, 2048), 0),
+    ("hd256", _spec(256, False, 8192), 0),
+    ("hd192", _spec(192, False, 8192), 0),
+]
+
+
+def _assemble(ptx: str, tmp_path):
+    src, obj = tmp_path / "k.ptx", tmp_path / "k.cubin"
+    src.write_text(ptx)
+    r = subprocess.run([os.path.join(_BIN, "ptxas"), "-arch=sm_90a", "-v", str(src), "-o", str(obj)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", str(obj)], capture_output=True, text=True,
+                          timeout=120).stdout
+    return r.stderr, [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not os.path.exists(os.path.join(_BIN, "cuobjdump")), reason="Triton ships no cuobjdump here")
+@pytest.mark.parametrize("name,spec,spill_bytes", CONFIGS, ids=[c[0] for c in CONFIGS])
+def test_sass_has_no_select_chain_no_spills_no_injected_arrives(name, spec, spill_bytes, tmp_path):
+    tile_m, tile_n = FastSm90Forward.config(spec)[:2]
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    log, sass = _assemble(ptx, tmp_path)
+    assert "C7519" not in log, "ptxas injected warpgroup.arrive before a wgmma"
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
+    assert spills and max(spills) <= spill_bytes, log[-500:]
+    assert any("HGMMA" in ln for ln in sass)
+    # one select per masked element and bound: a consumer thread holds 64 * tile_n / 128 scores;
+    # a few masked sites (first block, masked loops, tail) with up to two bounds each stay far
+    # below the quadratic chain (2025 selects for hd128 causal)
+    per_thread = 64 * tile_n // 128
+    fsel = sum("FSEL" in ln for ln in sass)
+    assert fsel <= 8 * per_thread, (name, fsel)
