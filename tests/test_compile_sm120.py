@@ -1,7 +1,8 @@
 """Compile-only (no GPU): the fast-sm120 forward traces and assembles for sm_120a and sm_80.
 
 Checks, per compiled config: the PTX uses warp-level mma.sync (m16n8k16, which ptxas turns into
-HMMA; no disassembler is available in CI to grep the SASS itself), 16-byte cp.async and ldmatrix,
+HMMA; the SASS is not read here: tests/test_sm90_sass.py does that for fast-sm90 with the
+cuobjdump Triton ships), 16-byte cp.async and ldmatrix,
 no wgmma/tcgen05; a cubin for the target SM was produced; shared memory <= 99 KB (sm_120's
 per-block limit).
 
