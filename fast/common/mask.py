@@ -14,9 +14,8 @@ def score_or_neg_inf(visible, score):
     """``score`` where ``visible``, else -inf: one select per element. Writing it as
     ``if hidden: frag[i] = -inf`` makes the DSL's if-region yield the whole register fragment, and
     ptxas then re-selects every earlier element at each condition: a select chain quadratic in the
-    fragment size (sm_90a hd128 causal: ~1100 extra instructions per masked key block). Combine
-    conditions with ``&`` / ``|``: Python ``and`` / ``or`` on run-time Booleans also become
-    if-regions."""
+    fragment size (sm_90a hd128 causal: ~1100 extra instructions per masked key block;
+    tests/test_sm90_sass.py keeps it out)."""
     return Float32(cutlass.select_(visible, score, -Float32.inf))
 
 
