@@ -22,16 +22,14 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "paired": ("_PAIRED_ENV", "0", "heaviest first")}
 
 
-def _set_tiles():
+def _set_tiles(_module, _attr, value):
     """setattr stand-in for the tiles knob: the override is read from the environment per call."""
-    def set_(_module, _attr, value):
-        os.environ["DUALATTN_SM90_TILES"] = value
-    return set_
+    os.environ["DUALATTN_SM90_TILES"] = value
 
 
 def main(knob: str, tiles: str = ""):
     attr, value, label = KNOBS[knob] if knob != "tiles" else ("", tiles, f"tiles {tiles}")
-    set_knob = _set_tiles() if knob == "tiles" else setattr
+    set_knob = _set_tiles if knob == "tiles" else setattr
     impl = sm90.FORWARD
     timer = B.Timer(warmup=3, reps=10)
     fwd = B.standard_matrix(("fwd",))
