@@ -4,6 +4,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py persistent   # the default grid against the persistent grid
     python ci/sm90_grid_ab.py q_stages     # the default Q buffers against one Q buffer
     python ci/sm90_grid_ab.py paired       # causal pairs of equal work against heaviest first
+    python ci/sm90_grid_ab.py rescale 0    # the default rescale threshold against another (0: O
+                                           # rescaled at every new max), on the dense cells
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
@@ -12,6 +14,7 @@ The figures behind fast/sm90's _short_masked_tiles, FastSm90Forward.q_stages and
 import os
 import statistics
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -19,7 +22,8 @@ import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
 
 KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer"),
-         "paired": ("_PAIRED_ENV", "0", "heaviest first")}
+         "paired": ("_PAIRED_ENV", "0", "heaviest first"),
+         "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold")}  # value: the second argument
 
 
 def _set_tiles(_module, _attr, value):
@@ -29,6 +33,8 @@ def _set_tiles(_module, _attr, value):
 
 def main(knob: str, tiles: str = ""):
     attr, value, label = KNOBS[knob] if knob != "tiles" else ("", tiles, f"tiles {tiles}")
+    if value is None:
+        value, label = tiles or "0", f"{label} {tiles or '0'}"
     set_knob = _set_tiles if knob == "tiles" else setattr
     impl = sm90.FORWARD
     timer = B.Timer(warmup=3, reps=10)
@@ -42,6 +48,10 @@ def main(knob: str, tiles: str = ""):
     elif knob == "paired":
         cells = B.filter_cells(fwd, groups=["window"]) + B.filter_cells(fwd, groups=["dense", "gqa"],
                                                                           head_dims=[64, 128], causal=True)
+    elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
+        wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
+        cells = wide + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in wide]
+        cells += B.filter_cells(fwd, groups=["dense"], head_dims=[128], seqlens=[1024, 8192])
     else:
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], head_dims=[64, 96, 128])
     for cell in cells:

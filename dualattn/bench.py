@@ -12,7 +12,8 @@ The standard matrix (bf16 by default):
 * each of forward, backward, forward+backward;
 * decode: 1 query token, GQA 32/8 hd128, KV cache 8k..128k, batch 1..64 (TB/s of KV read),
   timed twice: eagerly (one Python call per timed run, as every other cell) and as the replay of
-  a CUDA graph that captured one call (rows ``<impl>@graph``), which is how serving runs decode.
+  a CUDA graph that captured one call (rows ``<impl>@graph``), which is how serving runs decode;
+  ``--graph`` adds the graph rows to every cell (kernels compared without their host paths).
 Docs and window cells also time each dualattn implementation on the same attention expressed as
 one batched call with an exact block-sparse CSR (rows ``<impl>+csr``), the form FlexAttention
 runs them in.
@@ -636,8 +637,11 @@ def select_impls(names: Optional[Sequence[str]]) -> List[object]:
 
 def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], timer: Timer,
                progress: Optional[Progress] = None, device: str = "cuda",
-               on_result: Optional[Callable[[Result, List[Result]], None]] = None) -> List[Result]:
-    """Measure every (cell, implementation); ``on_result(result, results_of_its_cell)`` streams them."""
+               on_result: Optional[Callable[[Result, List[Result]], None]] = None,
+               graph: bool = False) -> List[Result]:
+    """Measure every (cell, implementation); ``on_result(result, results_of_its_cell)`` streams them.
+    Decode cells, and every cell with ``graph``, are also timed as a CUDA-graph replay (rows
+    ``<impl>@graph``): kernel against kernel, with no implementation's host path in the time."""
     results: List[Result] = []
     cuda = device == "cuda"
     for cell in cells:
@@ -689,7 +693,7 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
             emit(r)
             if progress:
                 progress.step(f"{cell.label()} {name}")
-            if cell.kind == "decode" and cuda and r.status == "ok":
+            if (cell.kind == "decode" or graph) and cuda and r.status == "ok":
                 g = Result(cell, name + GRAPH, is_peer, unit=unit)
                 try:
                     g.ms, g.reps = timer.time_ms(cuda_graph_replay(runner.fn))
@@ -847,6 +851,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="bar charts (needs matplotlib)")
     p.add_argument("--replot", metavar="FILE.json", help="no measuring: draw --plot from an earlier --json "
                    "(for GPU machines without matplotlib)")
+    p.add_argument("--graph", action="store_true", help="also time every cell as a CUDA-graph replay (rows "
+                   "<impl>@graph, compared with the peers' replays): the kernels without any host path")
     p.add_argument("--list", action="store_true", help="print the cells and exit (no GPU needed)")
     return p
 
@@ -912,7 +918,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(format_row(r, peers, cell_results), flush=True)
         if args.json:
             write_json(args.json, done, meta)
-    results = run_matrix(cells, impls, peers, timer, progress, on_result=stream)
+    results = run_matrix(cells, impls, peers, timer, progress, on_result=stream, graph=args.graph)
     if args.json:
         write_json(args.json, results, meta)
         print(f"# wrote {args.json}")

@@ -75,3 +75,29 @@ def test_sass_has_no_select_chain_no_spills_no_injected_arrives(name, spec, spil
     per_thread = 64 * tile_n // 128
     fsel = sum("FSEL" in ln for ln in sass)
     assert fsel <= 8 * per_thread, (name, fsel)
+
+
+def _guarded_runs(sass, length):
+    """Conditional branches followed by at least ``length`` FMULs in a row (a skippable rescale)."""
+    ops = [ln.split(";")[0].split("*/")[-1].split() for ln in sass]
+    hits = 0
+    for i, op in enumerate(ops):
+        if len(op) >= 2 and op[0].startswith("@") and op[1] == "BRA":
+            run = 0
+            while i + 1 + run < len(ops) and ops[i + 1 + run] and ops[i + 1 + run][0] == "FMUL":
+                run += 1
+            hits += run >= length
+    return hits
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d,on", [(256, True), (192, True), (128, False)])
+def test_sass_skips_o_rescale_behind_a_branch_where_the_threshold_is_on(d, on, tmp_path):
+    """From Dv 192 the online softmax keeps a row's max until it grows by more than 2^8, and O's
+    rescale (Dv / 2 FMULs per thread) sits behind a branch the warp takes only when a row moved
+    (FastSm90Forward.rescale_threshold); below, O is rescaled unconditionally."""
+    spec = _spec(d, False, 8192)
+    assert (FastSm90Forward.rescale_threshold(spec) > 0) == on
+    _, sass = _assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, tmp_path)
+    assert (_guarded_runs(sass, d // 2) > 0) == on

@@ -45,6 +45,7 @@ _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 _PACK_GQA_ENV = os.environ.get("DUALATTN_SM90_PACK_GQA", "")  # see FastSm90Forward.pack_gqa
 _Q_STAGES_ENV = os.environ.get("DUALATTN_SM90_Q_STAGES", "")  # see FastSm90Forward.q_stages
 _PAIRED_ENV = os.environ.get("DUALATTN_SM90_PAIRED", "")  # see FastSm90Forward.paired
+_RESCALE_THRESHOLD_ENV = os.environ.get("DUALATTN_SM90_RESCALE_THRESHOLD", "")  # see .rescale_threshold
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -111,6 +112,8 @@ def _short_masked_tiles(spec) -> bool:
 
 
 CAUSAL_3WG_MIN_SEQLEN = 4096  # causal hd64 from this many queries runs 3 warpgroups (below)
+RESCALE_THRESHOLD = 8.0  # see FastSm90Forward.rescale_threshold: P <= 2^8 between rescales
+RESCALE_THRESHOLD_MIN_DV = 192
 CAUSAL_PER_TILE_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs one CTA per tile
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
@@ -288,8 +291,21 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.q_stages(spec), self.paired(spec),
-                L2_SECTION_BYTES,
+                self.rescale_threshold(spec), L2_SECTION_BYTES,
                 arch_string(arch))
+
+    @staticmethod
+    def rescale_threshold(spec) -> float:
+        """Base-2 units by which a row's new max must exceed the running one before the online
+        softmax moves it and rescales O (0: every new max moves it). At Dv >= 192 O's rescale
+        (Dv / 2 multiplies per thread and key block, on the path from the P V wait to the next
+        GEMMs) costs more than the branch around it; below, the branch costs more. H100, bf16,
+        one process, threshold 8 against 0 (ci/sm90_grid_ab.py rescale): hd256 1k / 8k 617 -> 634 /
+        711 -> 765 TFLOP/s, causal 406 -> 410 / 695 -> 716; hd128 0.97-1.00x; hd64 0.74-1.01x.
+        DUALATTN_SM90_RESCALE_THRESHOLD overrides it for comparisons."""
+        if _RESCALE_THRESHOLD_ENV:
+            return float(_RESCALE_THRESHOLD_ENV)
+        return RESCALE_THRESHOLD if spec.head_dim_v >= RESCALE_THRESHOLD_MIN_DV else 0.0
 
     @classmethod
     def q_stages(cls, spec) -> int:
@@ -334,7 +350,7 @@ class FastSm90Forward:
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
                             num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec),
-                            paired=self.paired(spec))
+                            paired=self.paired(spec), rescale_threshold=self.rescale_threshold(spec))
 
     @staticmethod
     def arg_schema(spec):

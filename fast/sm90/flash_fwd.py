@@ -159,8 +159,12 @@ class FlashFwdSm90:
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
-                 num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False):
+                 num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
+                 rescale_threshold: float = 0.0):
         self.dtype = dtype
+        # the online softmax keeps a row's running max until a new one exceeds it by more than
+        # this (base-2 logit units; 0: always moves it): most key blocks then skip O's rescale
+        self.rescale_threshold = float(rescale_threshold)
         # pack_gqa = g > 1: the g query heads of one KV head share the M tile, row r of the tile
         # being query (m_block * tile_m + r) // g of head r % g (see tensors_from_pointers); the
         # causal / window bounds then take each row's query position (q_pos)
@@ -1108,20 +1112,31 @@ class FlashFwdSm90:
         """S -> P = exp2(S * scale_log2 - rowmax * scale_log2) in place; corr = exp2(old - new max).
 
         One pass per row; the quad of threads sharing a row reduces its max by shuffle (the sum
-        stays per-thread until the end, since corr is uniform over the quad).
+        stays per-thread until the end, since corr is uniform over the quad). Returns whether a
+        row of this thread moved its max (with a rescale threshold; else True).
         """
+        moved = Boolean(self.rescale_threshold <= 0.0)
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             m_old = ctx.row_max[r]
             m = m_old
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 m = cute.arch.fmax(m, acc_S_mn[r, c])
             m = cute.arch.warp_reduction_max(m, threads_in_group=4)
+            if const_expr(self.rescale_threshold > 0.0):
+                # keep the running max while the new one exceeds it by at most the threshold
+                # (base-2 units): P <= 2^threshold, and O needs no rescale. A row's first finite max
+                # always moves it (-inf + threshold); an all -inf row gives NaN and keeps -inf.
+                if (m - m_old) * ctx.scale_log2 <= self.rescale_threshold:
+                    m = m_old
             ctx.row_max[r] = m
             # a row that has seen no key keeps max -inf; use 0 so exp2 gives 0, not NaN
             m_scaled = m * ctx.scale_log2
             if m == -Float32.inf:
                 m_scaled = Float32(0.0)
             c_r = cute.math.exp2(m_old * ctx.scale_log2 - m_scaled, fastmath=True)
+            if const_expr(self.rescale_threshold > 0.0):
+                c_r = cutlass.select_(m == m_old, Float32(1.0), c_r)
+                moved = moved | (m != m_old)
             s = Float32(0.0)
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 p = cute.math.exp2(acc_S_mn[r, c] * ctx.scale_log2 - m_scaled, fastmath=True)
@@ -1129,9 +1144,20 @@ class FlashFwdSm90:
                 s += p
             ctx.row_sum[r] = ctx.row_sum[r] * c_r + s
             corr[r] = c_r
+        return moved
 
     @cute.jit
-    def rescale_O(self, ctx, corr):
+    def rescale_O(self, ctx, corr, moved):
+        """O *= corr per row; with a rescale threshold only when a row of this thread moved its max
+        (a warp runs the multiplies when any of its threads needs them)."""
+        if const_expr(self.rescale_threshold > 0.0):
+            if moved:
+                self.scale_O_rows(ctx, corr)
+        else:
+            self.scale_O_rows(ctx, corr)
+
+    @cute.jit
+    def scale_O_rows(self, ctx, corr):
         for r in cutlass.range_constexpr(cute.size(ctx.acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(ctx.acc_O_mn, mode=[1])):
                 ctx.acc_O_mn[r, c] = ctx.acc_O_mn[r, c] * corr[r]
@@ -1175,8 +1201,8 @@ class FlashFwdSm90:
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
         self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
-        self.online_softmax(ctx, acc_S_mn, corr)
-        self.rescale_O(ctx, corr)
+        moved = self.online_softmax(ctx, acc_S_mn, corr)
+        self.rescale_O(ctx, corr, moved)
         tOrP = cute.make_rmem_tensor(_frg_a_shape(acc_S.shape), self.dtype)
         self.convert_P(acc_S, tOrP)
         ctx.pipe_v.consumer_wait(kv_state)
@@ -1222,11 +1248,11 @@ class FlashFwdSm90:
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
         self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
-        self.online_softmax(ctx, acc_S_mn, corr)
+        moved = self.online_softmax(ctx, acc_S_mn, corr)
         warpgroup.wait_group(0)         # P V done: tOrP and O may be touched again
         ctx.pipe_v.consumer_release(kv_state_v)
         self.convert_P(acc_S, tOrP)
-        self.rescale_O(ctx, corr)
+        self.rescale_O(ctx, corr, moved)
         return kv_state
 
     @cute.jit
