@@ -6,6 +6,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py paired       # causal pairs of equal work against heaviest first
     python ci/sm90_grid_ab.py rescale 0    # the default rescale threshold against another (0: O
                                            # rescaled at every new max), on the dense cells
+    python ci/sm90_grid_ab.py rescale_before_pv [64,128]   # O rescaled while the next Q K^T
+                                           # runs against after the P V wait, on those head dims
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
@@ -23,7 +25,8 @@ from dualattn import bench as B
 
 KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer"),
          "paired": ("_PAIRED_ENV", "0", "heaviest first"),
-         "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold")}  # value: the second argument
+         "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold"),  # value: the second argument
+         "rescale_before_pv": ("", "1", "rescale before P V")}
 
 
 def _set_tiles(_module, _attr, value):
@@ -31,11 +34,20 @@ def _set_tiles(_module, _attr, value):
     os.environ["DUALATTN_SM90_TILES"] = value
 
 
+def _set_rescale_before_pv(module, _attr, value):
+    """O rescaled while the next Q K^T runs (no threshold) against after the P V wait (the
+    'default' column: off everywhere, with the default threshold)."""
+    module._RESCALE_BEFORE_PV_ENV = value or "0"
+    module._RESCALE_THRESHOLD_ENV = "0" if value else ""
+
+
 def main(knob: str, tiles: str = ""):
     attr, value, label = KNOBS[knob] if knob != "tiles" else ("", tiles, f"tiles {tiles}")
-    if value is None:
+    if knob == "rescale_before_pv":
+        label = "rescale before P V"
+    elif value is None:
         value, label = tiles or "0", f"{label} {tiles or '0'}"
-    set_knob = _set_tiles if knob == "tiles" else setattr
+    set_knob = {"tiles": _set_tiles, "rescale_before_pv": _set_rescale_before_pv}.get(knob, setattr)
     impl = sm90.FORWARD
     timer = B.Timer(warmup=3, reps=10)
     fwd = B.standard_matrix(("fwd",))
@@ -48,6 +60,10 @@ def main(knob: str, tiles: str = ""):
     elif knob == "paired":
         cells = B.filter_cells(fwd, groups=["window"]) + B.filter_cells(fwd, groups=["dense", "gqa"],
                                                                           head_dims=[64, 128], causal=True)
+    elif knob == "rescale_before_pv":  # second argument: head dims (default 128,256, and GQA)
+        hds = [int(h) for h in (tiles or "128,256").split(",")]
+        cells = B.filter_cells(fwd, groups=["dense"], head_dims=hds, seqlens=[1024, 4096, 16384])
+        cells += B.filter_cells(fwd, groups=["gqa"]) if not tiles else []
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
         wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
         cells = wide + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in wide]

@@ -75,11 +75,11 @@ def test_compile_key_is_explicit_and_shape_free():
     assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, 1, False, 8.0, L2_SECTION_BYTES, "sm_90a")
+                   False, 1, False, 8.0, False, L2_SECTION_BYTES, "sm_90a")
     # the paired causal order is compiled in (persistent causal grids only)
-    assert FORWARD.compile_key(_spec(64, True), 90)[-4] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-5] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
-    assert FORWARD.compile_key(_spec(128), 90)[-3] == 0.0
+    assert FORWARD.compile_key(_spec(128), 90)[-4] == 0.0
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
     # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
     assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)
@@ -593,7 +593,7 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     shared-memory budget (checked at trace time) still met at hd128 (224 KB + barriers)."""
     hd128 = _spec(128, False, sq=8192, sk=8192)
     assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
-    assert FORWARD.compile_key(hd128, 90)[-5] == 2
+    assert FORWARD.compile_key(hd128, 90)[-6] == 2
     assert FastSm90Forward.q_stages(_spec(128, True, sq=8192, sk=8192)) == 1  # one CTA per tile
     assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
     kern = FORWARD.make_kernel(hd128)
@@ -601,3 +601,19 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     ptx = FastSm90Forward().compile_only(hd128, arch=90).__ptx__
     smem = [int(x) for x in re.findall(r"\.shared \.align \d+ \.b8 \w+\[(\d+)\]", ptx)]
     assert not smem or max(smem) <= 227 * 1024
+
+
+@pytest.mark.compile_only
+def test_o_rescale_placement_rule():
+    """O's rescale: before the P V (beside the next Q K^T) for D = Dv = 128 on the persistent
+    grid; a threshold (no rescale while the max moves by <= 2^8) from Dv 192; after the P V wait
+    elsewhere (FastSm90Forward.rescale_before_pv / rescale_threshold, measured on the H100)."""
+    before, thr = FastSm90Forward.rescale_before_pv, FastSm90Forward.rescale_threshold
+    assert before(_spec(128, False, sq=8192, sk=8192)) and thr(_spec(128, False, sq=8192, sk=8192)) == 0.0
+    assert before(_spec(128, True, sq=2048, sk=2048))                 # short causal: persistent
+    assert not before(_spec(128, True, sq=16384, sk=16384))           # one CTA per tile
+    assert not before(_spec(64, False, sq=8192, sk=8192)) and not before(_spec(192, False, sq=8192, sk=8192, dv=128))
+    assert not before(_spec(256, False, sq=8192, sk=8192)) and thr(_spec(256, False, sq=8192, sk=8192)) == 8.0
+    kern = FORWARD.make_kernel(_spec(128, False, sq=8192, sk=8192))
+    assert kern.rescale_before_pv and kern.rescale_threshold == 0.0
+    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-3] is True

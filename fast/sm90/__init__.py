@@ -46,6 +46,7 @@ _PACK_GQA_ENV = os.environ.get("DUALATTN_SM90_PACK_GQA", "")  # see FastSm90Forw
 _Q_STAGES_ENV = os.environ.get("DUALATTN_SM90_Q_STAGES", "")  # see FastSm90Forward.q_stages
 _PAIRED_ENV = os.environ.get("DUALATTN_SM90_PAIRED", "")  # see FastSm90Forward.paired
 _RESCALE_THRESHOLD_ENV = os.environ.get("DUALATTN_SM90_RESCALE_THRESHOLD", "")  # see .rescale_threshold
+_RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  # see .rescale_before_pv
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -291,7 +292,7 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.q_stages(spec), self.paired(spec),
-                self.rescale_threshold(spec), L2_SECTION_BYTES,
+                self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 arch_string(arch))
 
     @staticmethod
@@ -306,6 +307,23 @@ class FastSm90Forward:
         if _RESCALE_THRESHOLD_ENV:
             return float(_RESCALE_THRESHOLD_ENV)
         return RESCALE_THRESHOLD if spec.head_dim_v >= RESCALE_THRESHOLD_MIN_DV else 0.0
+
+    @classmethod
+    def rescale_before_pv(cls, spec) -> bool:
+        """O rescaled by the previous key block's corrections while the next Q K^T runs (before
+        that block's P V is issued) rather than after the P V wait, which puts its Dv / 2
+        multiplies per thread beside a GEMM instead of on the way to the next one (FA4's SM90
+        kernel does this for Dv > 128; there our rescale threshold measured better). On for
+        D = Dv = 128 on the persistent grid. H100, bf16, ci/sm90_grid_ab.py rescale_before_pv,
+        three rounds on two machines: hd128 1k-16k +0-3 % (causal 4k +2 to +7 %), GQA 32/8 +1-6 %;
+        off where it lost or did not clearly win: hd128 causal 16k (one CTA per tile) 0.82-0.99x,
+        hd256 against the threshold 0.97-1.01x, hd64 0.97-1.05x. Needs the intra-warpgroup
+        overlap and no threshold. DUALATTN_SM90_RESCALE_BEFORE_PV=1 / 0 forces it, for comparisons."""
+        if not cls.config(spec)[4] or cls.rescale_threshold(spec) > 0.0:
+            return False
+        if _RESCALE_BEFORE_PV_ENV:
+            return _RESCALE_BEFORE_PV_ENV == "1"
+        return spec.head_dim == spec.head_dim_v == 128 and cls.config(spec)[5]
 
     @classmethod
     def q_stages(cls, spec) -> int:
@@ -350,7 +368,8 @@ class FastSm90Forward:
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
                             num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec),
-                            paired=self.paired(spec), rescale_threshold=self.rescale_threshold(spec))
+                            paired=self.paired(spec), rescale_threshold=self.rescale_threshold(spec),
+                            rescale_before_pv=self.rescale_before_pv(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -160,8 +160,12 @@ class FlashFwdSm90:
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
-                 rescale_threshold: float = 0.0):
+                 rescale_threshold: float = 0.0, rescale_before_pv: bool = False):
         self.dtype = dtype
+        # intra-warpgroup overlap: O rescaled by the previous block's corrections while this
+        # block's Q K^T runs, before its P V is issued, instead of after the P V wait
+        assert not (rescale_before_pv and (rescale_threshold > 0.0 or not overlap))
+        self.rescale_before_pv = rescale_before_pv
         # the online softmax keeps a row's running max until a new one exceeds it by more than
         # this (base-2 logit units; 0: always moves it): most key blocks then skip O's rescale
         self.rescale_threshold = float(rescale_threshold)
@@ -674,6 +678,7 @@ class FlashFwdSm90:
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         lse = cute.make_rmem_tensor((num_rows,), Float32)
+        corr_prev = cute.make_rmem_tensor((num_rows,), Float32)  # rescale_before_pv
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                         num_bits_per_copy=2 * self.dtype.width)
         thr_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv).get_slice(tidx)
@@ -729,7 +734,7 @@ class FlashFwdSm90:
                            row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
                            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
                            win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
-                           softcap_val=softcap_val, kr=None, inter=None)
+                           softcap_val=softcap_val, kr=None, inter=None, corr_prev=corr_prev)
                 if const_expr(self.dynamic_mask):
                     n_blocks, visit, ctx.inter = self.visit_plan(
                         m_block, head_idx, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q,
@@ -1229,6 +1234,8 @@ class FlashFwdSm90:
         self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
         self.online_softmax(ctx, acc_S_mn, corr)  # O is still zero: no rescale needed
+        if const_expr(self.rescale_before_pv):
+            ctx.corr_prev.store(corr.load())  # applied to the zero O before the first P V: harmless
         self.convert_P(acc_S, tOrP)
 
     @cute.jit
@@ -1238,6 +1245,8 @@ class FlashFwdSm90:
         ctx.pipe_k.consumer_wait(kv_state)
         self.sched_sync(ctx)
         acc_S = self.qk(ctx, kv_state)
+        if const_expr(self.rescale_before_pv):
+            self.scale_O_rows(ctx, ctx.corr_prev)  # beside the Q K^T in flight
         ctx.pipe_v.consumer_wait(kv_state_v)
         self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state_v.index],
                   False, a_in_registers=True)
@@ -1252,11 +1261,16 @@ class FlashFwdSm90:
         warpgroup.wait_group(0)         # P V done: tOrP and O may be touched again
         ctx.pipe_v.consumer_release(kv_state_v)
         self.convert_P(acc_S, tOrP)
-        self.rescale_O(ctx, corr, moved)
+        if const_expr(self.rescale_before_pv):
+            ctx.corr_prev.store(corr.load())
+        else:
+            self.rescale_O(ctx, corr, moved)
         return kv_state
 
     @cute.jit
     def last_half_block(self, ctx, kv_state, tOrP):
+        if const_expr(self.rescale_before_pv):
+            self.scale_O_rows(ctx, ctx.corr_prev)
         ctx.pipe_v.consumer_wait(kv_state)
         self.gemm(ctx.tiled_mma_pv, ctx.acc_O, tOrP, ctx.tOrVt[None, None, None, kv_state.index],
                   False, a_in_registers=True)
