@@ -617,3 +617,20 @@ def test_o_rescale_placement_rule():
     kern = FORWARD.make_kernel(_spec(128, False, sq=8192, sk=8192))
     assert kern.rescale_before_pv and kern.rescale_threshold == 0.0
     assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-3] is True
+
+
+@pytest.mark.compile_only
+def test_hd256_key_tile_rule():
+    """hd256 takes 64-wide key tiles except causal calls from 8k queries (80), measured on the
+    H100 (fast/sm90._narrow_hd256_tile); a CSR keeps its own rule; the kernel still fits."""
+    from dualattn.sparse import BlockSparse
+    tile_n = lambda spec: FastSm90Forward.config(spec)[1]  # noqa: E731
+    assert tile_n(_spec(256, False, sq=16384, sk=16384)) == 64
+    assert tile_n(_spec(256, True, sq=4096, sk=4096)) == 64
+    assert tile_n(_spec(256, True, sq=8192, sk=8192)) == 80
+    assert tile_n(_spec(256, False, sq=8192, sk=8192, window=(-1, 0))) == 80  # right bound: causal-like
+    assert tile_n(_spec(192, False, sq=8192, sk=8192)) == 112
+    bs = BlockSparse.from_key_ranges(None, 1024, 1024, 128, 128, causal=True)
+    assert tile_n(_spec(256, True, sq=1024, sk=1024, block_size=(bs.block_m, bs.block_n))) == 64
+    kern = FORWARD.make_kernel(_spec(256, False, sq=8192, sk=8192))
+    assert kern.tile_n == 64 and kern.smem_bytes <= 227 * 1024

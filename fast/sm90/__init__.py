@@ -138,6 +138,21 @@ def _three_warpgroups(spec) -> bool:
     return _plain_hd64(spec) and (not spec.causal or spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN)
 
 
+HD256_NARROW_TILE_N = 64
+HD256_WIDE_TILE_MIN_CAUSAL_SEQLEN = 8192
+
+
+def _narrow_hd256_tile(spec) -> bool:
+    """hd256 runs 64-wide key tiles instead of 80 (a causal diagonal cuts fewer columns; more
+    key blocks in flight per byte of shared memory), except causal calls from 8k queries.
+    H100, bf16, one process, 64 against 80 (ci/sm90_grid_ab.py tiles 256:64,2,0,0), TFLOP/s:
+    non-causal 512-16k +0.6-2.8 % (1k 641 -> 645, 16k 757 -> 762), causal 512 / 1k / 2k / 4k
+    250 -> 263 / 414 -> 432 / 577 -> 588 / 690 -> 698, causal 8k / 16k 0.98 / 0.99x."""
+    if (spec.head_dim, spec.head_dim_v) != (256, 256):
+        return False
+    return not (spec.causal or spec.window[1] >= 0) or spec.seqlen_q < HD256_WIDE_TILE_MIN_CAUSAL_SEQLEN
+
+
 def _sparse_tile_n(head_dim: int, block_n: int, head_dim_v: Optional[int] = None) -> Optional[int]:
     """Key tile for a block-sparse call: the largest multiple of 16 up to the head dim's default
     tile that divides the CSR's block_n (a CSR key block must cover whole kernel tiles)."""
@@ -222,6 +237,8 @@ class FastSm90Forward:
         tile_n, stages = _tile_config(spec.head_dim, spec.head_dim_v)
         if spec.has_block_sparse:  # the key tile must divide the CSR's key block
             tile_n = _sparse_tile_n(spec.head_dim, spec.block_size[1], spec.head_dim_v)
+        elif _narrow_hd256_tile(spec) and _tile_override(spec.head_dim, spec.head_dim_v) is None:
+            tile_n = HD256_NARROW_TILE_N
         # ping-pong pays off where the softmax is a large share of the work (D <= 128); at larger
         # D the GEMMs dominate and the extra barrier only serialises (FA3 makes the same choice)
         # key ranges / block-sparse: uneven work per tile, which the hardware's assignment of
