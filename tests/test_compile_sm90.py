@@ -566,7 +566,7 @@ def test_pack_gqa_kernels_compile_with_a_5d_q_box(d, hq, hkv, causal, window):
 def test_short_masked_tiles_run_the_persistent_grid():
     """Causal / windowed calls at D <= 128 whose longest tile visits at most PERSISTENT_MAX_TILE_KEYS (4096) keys take the
     persistent grid (H100 A/B in FastSm90Forward's _short_masked_tiles); longer causal ones,
-    hd256, key ranges and CSRs keep one CTA per tile."""
+    hd256, key ranges and CSRs with key ranges keep one CTA per tile."""
     from dualattn.fast.sm90 import PERSISTENT_MAX_TILE_KEYS
     from dualattn.sparse import BlockSparse
 
@@ -582,7 +582,11 @@ def test_short_masked_tiles_run_the_persistent_grid():
     assert not persistent(_spec(128, False, sq=16384, sk=16384, window=(-1, 0)))  # right bound alone
     assert persistent(_spec(128, False, sq=16384, sk=16384, window=(1000, 1000)))
     bs = BlockSparse.from_key_ranges(None, 1000, 1000, 128, 128, causal=True)
-    assert not persistent(_spec(128, True, block_size=(bs.block_m, bs.block_n)))
+    # a CSR without key ranges at D <= 128 is persistent (fast/sm90._persistent_csr); with key
+    # ranges, or at hd256, one CTA per tile
+    assert persistent(_spec(128, True, block_size=(bs.block_m, bs.block_n)))
+    assert not persistent(_spec(128, True, block_size=(bs.block_m, bs.block_n), num_key_ranges=1))
+    assert not persistent(_spec(256, True, block_size=(bs.block_m, bs.block_n)))
 
 
 @pytest.mark.compile_only
