@@ -216,3 +216,11 @@ def test_csr_rows_of_docs_and_window_cells_match_the_plain_call():
         assert r.status == "ok", r.status
         assert r.maxdiff is not None and r.maxdiff < 1e-5, (r.cell.label(), r.maxdiff)
     assert "torch+csr" in bench.format_table(res, [])
+
+
+def test_graph_flag_parses_and_adds_no_rows_without_a_gpu():
+    """--graph asks for CUDA-graph rows beside every eager row; without CUDA there are none."""
+    assert bench.build_parser().parse_args(["--graph"]).graph
+    assert not bench.build_parser().parse_args([]).graph
+    results = bench.run_matrix(TINY, bench.select_impls(["torch"]), [], FakeTimer(), device="cpu", graph=True)
+    assert results and not any(r.impl.endswith(bench.GRAPH) for r in results)
