@@ -13,9 +13,10 @@ the fp64 value by luck, eps is what remains.)
 
 To that eps adds the conditioning of the softmax, which no implementation escapes: scores are
 formed in fp32 accumulators (whatever the input dtype), and a rounding of a score s perturbs its
-probability by up to u32 |s| relative. With S a bound on |s| (scale * max|q_i| * max|k_j|, or the
-softcap), that is u32 * S on LSE and 2 u32 * S times the output's magnitude on O and the
-gradients. It is negligible for 16-bit inputs and matters for fp32 inputs with large logits.
+probability by up to u32 |s| relative. With S a bound on |s| (scale * max|q_i| * max|k_j|, before
+any softcap: the cap comes after the rounding and passes it on with a factor tanh' <= 1), that
+is u32 * S on LSE and 2 u32 * S times the output's magnitude on O and the gradients. It is
+negligible for 16-bit inputs and matters for fp32 inputs with large logits.
 
 The gradients share one computation (dS feeds dQ and dK), so their magnitude scale is the
 largest of the three: a gradient whose exact value is 0 (dK with a single key) still carries
@@ -62,10 +63,12 @@ def hi_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def score_bound(call) -> float:
-    """An upper bound on |scaled score| for the call (Cauchy-Schwarz, or the softcap)."""
+    """An upper bound on |scaled score| before any softcap (Cauchy-Schwarz). A softcap does not
+    lower it: the fp32 rounding happens in q.k, before the cap, and reaches the capped score
+    c tanh(s / c) multiplied by tanh' <= 1, i.e. at up to full size where s is near 0 (a
+    q.k that cancels from large terms: a GPU property-campaign case, fp32, softcap 1, q.k * scale
+    = 0.0054 from terms summing to 30 in magnitude, missed the bound taken from the cap by 5 %)."""
     spec = call.spec
-    if spec.softcap > 0:
-        return spec.softcap
     if spec.mode == "kvcache":
         # only the keys a query can see: cache slots past cache_seqlens (and pages no table
         # entry reaches) may hold anything, inf and NaN included

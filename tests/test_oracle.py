@@ -178,3 +178,48 @@ def test_accuracy_bound_ignores_unused_cache_slots():
     kc[0, 5:] = float("inf")
     call = S.build_kvcache(q, kc, vc, cache_seqlens=lens, return_lse=True)
     assert not any(c.ok for c in accuracy.check_outputs(call, r.out + 1.0, r.lse + 1.0))
+
+
+def _fp32_dot(a, b, order):
+    """q.k in fp32 in a summation order other than torch's: reversed, or pairwise (a tree)."""
+    import numpy as np
+
+    prods = (a.flatten().numpy() * b.flatten().numpy()).astype(np.float32)
+    if order == "pairwise":
+        while len(prods) > 1:
+            prods = (prods[0::2] + prods[1::2]).astype(np.float32)
+        return prods[0]
+    acc = np.float32(0)
+    for p in prods[::-1]:
+        acc = np.float32(acc + p)
+    return acc
+
+
+def test_accuracy_bound_covers_score_rounding_before_a_softcap():
+    """fp32 with a softcap: q.k is rounded before the cap, and the cap passes that rounding on
+    (tanh' <= 1), so the rule's conditioning term must take the size of the terms of q.k, not
+    the cap. A q.k that cancels from terms of size ~40 down to ~0.01 (the case a GPU property
+    campaign found in the Triton kernel) summed in another fp32 order must pass; the bound taken
+    from the cap failed 118 of 900 such cases, by up to 92x. A wrong LSE must still fail."""
+    import numpy as np
+
+    from dualattn import accuracy
+
+    worst = 0.0
+    for seed in range(40):
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, 1, 1, 128, generator=g, dtype=D64) * 6
+        k = torch.randn(1, 1, 1, 128, generator=g, dtype=D64) * 6
+        k = k - (q * k).sum() / (q * q).sum() * q + 1e-3 * q / q.norm()  # q.k ~ 1e-3, terms ~ 36
+        q, k = q.float(), k.float()
+        v = torch.randn(1, 1, 1, 128, generator=g)
+        call = S.build_dense(q, k, v, softcap=1.0, return_lse=True)
+        refs = accuracy.reference_pair(call)
+        for order in ("reversed", "pairwise"):
+            s = np.float32(_fp32_dot(q, k, order) * np.float32(call.spec.scale))
+            lse = torch.tensor(np.float32(math.tanh(float(s)))).reshape(1, 1, 1)  # one key: LSE = capped score
+            checks = accuracy.check_outputs(call, v.clone(), lse, refs=refs)
+            assert all(c.ok for c in checks), (seed, order, checks)
+            worst = max(worst, max(c.err / c.bound for c in checks))
+            assert not accuracy.check_outputs(call, v.clone(), lse + 1e-4, refs=refs)[1].ok
+    assert worst > 0.01  # the cases do exercise the term
