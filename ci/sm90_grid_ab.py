@@ -8,6 +8,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                            # rescaled at every new max), on the dense cells
     python ci/sm90_grid_ab.py rescale_before_pv [64,128]   # O rescaled while the next Q K^T
                                            # runs against after the P V wait, on those head dims
+    python ci/sm90_grid_ab.py varlen_sections   # varlen causal tiles in L2 sections against
+                                                # heaviest first across all, on packed documents
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
@@ -25,6 +27,7 @@ from dualattn import bench as B
 
 KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer"),
          "paired": ("_PAIRED_ENV", "0", "heaviest first"),
+         "varlen_sections": ("_VARLEN_SECTIONS_ENV", "0", "across all"),
          "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold"),  # value: the second argument
          "rescale_before_pv": ("", "1", "rescale before P V")}
 
@@ -60,6 +63,12 @@ def main(knob: str, tiles: str = ""):
     elif knob == "paired":
         cells = B.filter_cells(fwd, groups=["window"]) + B.filter_cells(fwd, groups=["dense", "gqa"],
                                                                           head_dims=[64, 128], causal=True)
+    elif knob == "varlen_sections":  # the bench's documents, and fewer / more / other head dims
+        docs = B.filter_cells(fwd, groups=["docs"])[0]
+        cells = [docs, replace(docs, docs=4), replace(docs, docs=40), replace(docs, docs=160),
+                 replace(docs, head_dim=64, heads_q=32, heads_kv=32),
+                 replace(docs, head_dim=256, heads_q=8, heads_kv=8),
+                 replace(docs, heads_kv=4)]
     elif knob == "rescale_before_pv":  # second argument: head dims (default 128,256, and GQA)
         hds = [int(h) for h in (tiles or "128,256").split(",")]
         cells = B.filter_cells(fwd, groups=["dense"], head_dims=hds, seqlens=[1024, 4096, 16384])
@@ -73,7 +82,7 @@ def main(knob: str, tiles: str = ""):
     for cell in cells:
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
-        for csr in ([False, True] if B.has_csr_form(cell) else [False]):
+        for csr in ([False, True] if B.has_csr_form(cell) and knob != "varlen_sections" else [False]):
             ms = {"": [], value: []}
             for _ in range(3):
                 for mode in ("", value):

@@ -75,9 +75,9 @@ def test_compile_key_is_explicit_and_shape_free():
     assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, 1, False, 8.0, False, L2_SECTION_BYTES, "sm_90a")
+                   False, 1, False, False, 8.0, False, L2_SECTION_BYTES, "sm_90a")
     # the paired causal order is compiled in (persistent causal grids only)
-    assert FORWARD.compile_key(_spec(64, True), 90)[-5] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-6] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
     assert FORWARD.compile_key(_spec(128), 90)[-4] == 0.0
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
@@ -246,13 +246,16 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     spec = AttentionSpec("varlen", 3, 300, 500, 8, 2, d, dv, torch.bfloat16, "cuda", causal=causal, return_lse=True)
     assert FastSm90Forward.can_implement_static(spec) is None
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
+    # causal varlen tiles run heaviest first within L2 sections of (sequence, head) pairs
+    assert FORWARD.compile_key(spec, 90)[-5] is causal
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
-    # O leaves through row-predicated 16-byte st.global from shared memory (no TMA store, which
-    # would cross sequence ends): 128 rows x dv / 8 vectors, exactly split over 256 threads (at
-    # dv 96 / 192 the old layout issued 7 / 13 stores, the extra ones past row 127)
-    assert not re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
+    # O of a tile inside its sequence leaves by TMA store; a sequence's last, partial tile through
+    # row-predicated 16-byte st.global from shared memory (a TMA store would cross the sequence's
+    # end): 128 rows x dv / 8 vectors, exactly split over 256 threads (at dv 96 / 192 the old
+    # layout issued 7 / 13 stores, the extra ones past row 127)
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
     assert (128 * dv // 8) % 256 == 0
     assert ptx.count("st.global.v4") == (128 * dv // 8) // 256
 
@@ -597,7 +600,7 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     shared-memory budget (checked at trace time) still met at hd128 (224 KB + barriers)."""
     hd128 = _spec(128, False, sq=8192, sk=8192)
     assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
-    assert FORWARD.compile_key(hd128, 90)[-6] == 2
+    assert FORWARD.compile_key(hd128, 90)[-7] == 2
     assert FastSm90Forward.q_stages(_spec(128, True, sq=8192, sk=8192)) == 1  # one CTA per tile
     assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
     kern = FORWARD.make_kernel(hd128)

@@ -7,7 +7,8 @@ Everything else is refused in ``can_implement`` with the reason, so impl="auto" 
 
 Compile cache: one compiled kernel per ``compile_key(spec)`` = (kernel name, dtype, D, Dv, causal,
 window-left?, window-right?, softcap?, tile_m, tile_n, stages, pingpong, overlap, persistent,
-separate O, L2 section bytes of the causal tile order, arch), plus "_nolse" in the name for calls that neither return the LSE nor need it. Batch, sequence lengths, head counts, window sizes, cap and scale are runtime
+separate O, Q buffers, paired causal order, varlen L2 sections, rescale threshold, rescale before
+P V, L2 section bytes of the causal tile order, arch), plus "_nolse" in the name for calls that neither return the LSE nor need it. Batch, sequence lengths, head counts, window sizes, cap and scale are runtime
 values, so they never recompile.
 
 Launch: a cached call passes one packed argument (fast/common/launch_args.py: pointers, shapes,
@@ -45,6 +46,7 @@ _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 _PACK_GQA_ENV = os.environ.get("DUALATTN_SM90_PACK_GQA", "")  # see FastSm90Forward.pack_gqa
 _Q_STAGES_ENV = os.environ.get("DUALATTN_SM90_Q_STAGES", "")  # see FastSm90Forward.q_stages
 _PAIRED_ENV = os.environ.get("DUALATTN_SM90_PAIRED", "")  # see FastSm90Forward.paired
+_VARLEN_SECTIONS_ENV = os.environ.get("DUALATTN_SM90_VARLEN_SECTIONS", "")  # see .varlen_sections
 _RESCALE_THRESHOLD_ENV = os.environ.get("DUALATTN_SM90_RESCALE_THRESHOLD", "")  # see .rescale_threshold
 _RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  # see .rescale_before_pv
 
@@ -319,6 +321,7 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.q_stages(spec), self.paired(spec),
+                self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 arch_string(arch))
 
@@ -385,6 +388,16 @@ class FastSm90Forward:
         return (persistent and masked_right and spec.mode != "varlen" and not spec.has_key_ranges
                 and not spec.has_block_sparse and _PAIRED_ENV != "0")
 
+    @staticmethod
+    def varlen_sections(spec) -> bool:
+        """Varlen causal / right-bounded tiles heaviest first within L2 sections of (sequence,
+        head) pairs, as batched calls are ordered (fast/common/tile_order), instead of heaviest
+        first across every sequence and head at once: the CTAs running together then read a few
+        heads' K/V, which stay in L2, rather than each streaming its own head's from memory.
+        DUALATTN_SM90_VARLEN_SECTIONS=0 turns it off (comparisons)."""
+        return (spec.mode == "varlen" and (spec.causal or spec.window[1] >= 0)
+                and _VARLEN_SECTIONS_ENV != "0")
+
     def make_kernel(self, spec):
         from .flash_fwd import FlashFwdSm90
         tile_m, tile_n, stages, pingpong, overlap, persistent, separate_o = self.config(spec)
@@ -395,7 +408,8 @@ class FastSm90Forward:
                             varlen=spec.mode == "varlen", num_key_ranges=spec.num_key_ranges,
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
                             num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec),
-                            paired=self.paired(spec), rescale_threshold=self.rescale_threshold(spec),
+                            paired=self.paired(spec), varlen_sections=self.varlen_sections(spec),
+                            rescale_threshold=self.rescale_threshold(spec),
                             rescale_before_pv=self.rescale_before_pv(spec))
 
     @staticmethod

@@ -21,8 +21,8 @@ last, and the rest run without mask arithmetic. Bottom-right causal blocks past 
 blocks left of a window) are never loaded. A query tile whose rows see no key writes O = 0 and
 LSE = -inf.
 
-Variants (compile-time flags, see __init__): varlen (cu_seqlens; O through shared memory with
-row-predicated stores instead of the TMA store), key ranges and block-sparse (a per-tile visit
+Variants (compile-time flags, see __init__): varlen (cu_seqlens; a sequence's last, partial tile
+leaves shared memory by row-predicated stores instead of the TMA store), key ranges and block-sparse (a per-tile visit
 plan computed identically by the producer warp and each consumer warp; a run-time mask decision
 per key tile), head dims with Dv != D.
 
@@ -160,7 +160,8 @@ class FlashFwdSm90:
                  window_right: bool = False, softcap: bool = False, varlen: bool = False,
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
-                 rescale_threshold: float = 0.0, rescale_before_pv: bool = False):
+                 rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
+                 varlen_sections: bool = False):
         self.dtype = dtype
         # intra-warpgroup overlap: O rescaled by the previous block's corrections while this
         # block's Q K^T runs, before its P V is issued, instead of after the P V wait
@@ -209,6 +210,11 @@ class FlashFwdSm90:
         # (tile_order.paired_tile; FastSm90Forward.paired decides)
         assert not paired or (persistent and self.mask_right and not varlen and not self.dynamic_mask)
         self.paired = paired
+        # varlen causal / right-bounded tiles heaviest first within L2 sections of (sequence,
+        # head) pairs, as batched calls (FastSm90Forward.varlen_sections decides); off: heaviest
+        # first across all sequences and heads at once
+        assert not varlen_sections or (varlen and self.mask_right)
+        self.varlen_sections = varlen_sections
         # O staged in its own buffer: Q's buffer is handed back before the epilogue, so the next
         # tile's Q load overlaps this tile's epilogue (where shared memory allows it)
         self.separate_o = separate_o
@@ -320,11 +326,13 @@ class FlashFwdSm90:
             if const_expr(self.paired):
                 grid = (cutlass.min(paired_units(num_m_blocks, cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])),
                                     num_sms), 1, 1)
-        # varlen copies O from shared memory with row-predicated stores (a TMA store of a tile
-        # would write past a sequence's end into the next one), so it gets the plain gmem tensor
+        # varlen stores a sequence's last, partial tile with row-predicated stores (a TMA store
+        # writes whole tiles, past the sequence's end into the next one): it also gets the plain
+        # gmem O, as vl[4]
+        if const_expr(self.varlen):
+            vl = (*vl, mO)
         self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O,
-            mO if const_expr(self.varlen) else tma_O, mLSE,
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
             softmax_scale_log2, win_left, win_right, softcap_scale, softcap_val,
             sQ_layout, sK_layout, sV_layout, sO_layout, tiled_mma_qk, tiled_mma_pv,
             *((vl,) if const_expr(self.varlen) else ()),
@@ -518,8 +526,8 @@ class FlashFwdSm90:
         Non-causal: m_block varies fastest, so CTAs running together share a head's K/V in L2.
         Causal: the heaviest query blocks come first (longest-processing-time first), which the
         launch order then balances; not across all heads at once but within sections of heads
-        whose K/V fit in L2 (fast/common/tile_order; varlen: across all, the lengths differ per
-        sequence). Causal on the persistent grid (``paired``): pairs of query blocks of equal
+        whose K/V fit in L2 (fast/common/tile_order; varlen too, with ``varlen_sections``: a
+        section is then consecutive heads of one sequence, then the next). Causal on the persistent grid (``paired``): pairs of query blocks of equal
         total work, one pair per CTA at a time (tile_order.paired_tile).
         """
         BM, BN = self.tile_m, self.tile_n
@@ -539,13 +547,16 @@ class FlashFwdSm90:
             hb = num_heads * num_batch
             if const_expr(self.paired):
                 m_block, rest, active = paired_tile(tile, cute.arch.grid_dim()[0], num_m_blocks, hb)
-            elif const_expr(self.varlen):
+            elif const_expr(self.varlen and not self.varlen_sections):
                 m_block = num_m_blocks - 1 - tile // hb
                 rest = tile % hb
             else:
                 # heaviest first within sections of heads whose K/V fit in L2 (fast/common/tile_order)
-                # query heads of one KV head (GQA) share its K/V: a section holds that many more
-                section = heads_per_section(seqlen_k, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
+                # query heads of one KV head (GQA) share its K/V: a section holds that many more.
+                # varlen: mK holds every sequence's keys; the longest query sequence stands in for
+                # a sequence's key count (exact for self-attention; only the order depends on it)
+                kv_rows = vl[2] if const_expr(self.varlen) else seqlen_k
+                section = heads_per_section(kv_rows, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
                                             cutlass.max) * (num_heads // cute.size(mK.shape[2]))
                 m_block, rest = heavy_first_in_sections(tile, num_m_blocks, hb, cutlass.min(section, hb),
                                                         cutlass.min)
@@ -832,33 +843,28 @@ class FlashFwdSm90:
 
                 # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
                 # done. Separate: free once the previous tile's store has read it; warp 0, which
-                # issued that store, waits for it here, a whole tile after issuing it (varlen:
-                # every thread's own shared-memory reads of the previous tile are complete).
-                if const_expr(self.separate_o and not self.varlen):
+                # issued that store, waits for it here, a whole tile after issuing it (varlen
+                # partial tiles: every thread's own shared-memory reads are complete already).
+                if const_expr(self.separate_o):
                     if tidx < 32:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                 cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
                 rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
                 rO.store(acc_O.load().to(self.dtype))
                 cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
-                if const_expr(not self.varlen):
-                    cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.fence_proxy("async.shared", space="cta")
                 cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
+                # varlen: a tile that ends inside its sequence goes out by TMA like a batched one
+                # (warp 0 issues it, the others go on); a sequence's last, partial tile by
+                # row-predicated 16-byte stores (a TMA store would write the next sequence's rows)
                 if const_expr(self.varlen):
-                    # shared -> global in 16-byte vectors, rows predicated on this sequence's length:
-                    # a TMA store writes whole tiles and would overwrite the next sequence's rows
-                    self.store_O_rows(sO, mO, offset_q, head_idx, m_block, seqlen_q - m_block * BM,
-                                      tidx)
-                else:
-                    if tidx < 32:
-                        gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
-                        tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                                           cute.group_modes(sO, 0, 2),
-                                                           cute.group_modes(gO, 0, 2))
-                        cute.copy(tma_atom_O, tOsO, tOgO)
-                        cute.arch.cp_async_bulk_commit_group()
-                        if const_expr(not self.separate_o):
-                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    rows_left = seqlen_q - m_block * BM
+                    if rows_left >= BM:
+                        self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
+                    else:
+                        self.store_O_rows(sO, vl[4], offset_q, head_idx, m_block, rows_left, tidx)
+                else:  # batched: the TMA store clips a tail tile at the tensor's end
+                    self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
                 if const_expr(not self.separate_o):
                     # the store has read Q/O's buffer: hand it back to the producer for the next Q
                     cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
@@ -994,6 +1000,24 @@ class FlashFwdSm90:
         return cute.make_tiled_copy_tv(
             atom, cute.make_ordered_layout((rows, tpr), order=(1, 0)),
             cute.make_layout((1, 128 // self.dtype.width)))
+
+    @cute.jit
+    def store_O_tma(self, tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx):
+        """Epilogue: warp 0 issues the TMA store of O's tile from shared memory (one bulk group;
+        without a separate O buffer it also waits for the store's reads, as Q's buffer is next)."""
+        BM, Dv = self.tile_m, self.head_dim_v
+        if tidx < 32:
+            if const_expr(self.varlen):
+                gO = cute.local_tile(cute.domain_offset((offset_q, 0), mO[None, None, head_idx, 0]),
+                                     (BM, Dv), (m_block, 0))
+            else:
+                gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            if const_expr(not self.separate_o):
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def store_O_rows(self, sO, mO, offset_q, head_idx, m_block, rows_left, tidx):
