@@ -61,8 +61,11 @@ def main(knob: str, tiles: str = ""):
     elif knob == "tiles":
         cells = B.filter_cells(fwd, groups=["dense"], head_dims=[int(tiles.split(":")[0])])
     elif knob == "paired":
+        docs = B.filter_cells(fwd, groups=["docs"])[0]
         cells = B.filter_cells(fwd, groups=["window"]) + B.filter_cells(fwd, groups=["dense", "gqa"],
                                                                           head_dims=[64, 128], causal=True)
+        cells += [docs, replace(docs, docs=40), replace(docs, head_dim=64, heads_q=32, heads_kv=32),
+                  replace(docs, heads_kv=4)]
     elif knob == "varlen_sections":  # the bench's documents, and fewer / more / other head dims
         docs = B.filter_cells(fwd, groups=["docs"])[0]
         cells = [docs, replace(docs, docs=4), replace(docs, docs=40), replace(docs, docs=160),
@@ -82,7 +85,7 @@ def main(knob: str, tiles: str = ""):
     for cell in cells:
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
-        for csr in ([False, True] if B.has_csr_form(cell) and knob != "varlen_sections" else [False]):
+        for csr in ([False, True] if B.has_csr_form(cell) and knob not in ("varlen_sections", "paired") else [False]):
             ms = {"": [], value: []}
             for _ in range(3):
                 for mode in ("", value):

@@ -8,6 +8,7 @@ reallocation that the warp specialisation relies on.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -246,8 +247,9 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     spec = AttentionSpec("varlen", 3, 300, 500, 8, 2, d, dv, torch.bfloat16, "cuda", causal=causal, return_lse=True)
     assert FastSm90Forward.can_implement_static(spec) is None
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
-    # causal varlen tiles run heaviest first within L2 sections of (sequence, head) pairs
-    assert FORWARD.compile_key(spec, 90)[-5] is causal
+    # causal varlen tiles run heaviest first within L2 sections of (sequence, head) pairs (GQA and
+    # short sequences: not in pairs, see test_varlen_paired_order_compiles)
+    assert FORWARD.compile_key(spec, 90)[-5] is causal and not FastSm90Forward.paired(spec)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
@@ -258,6 +260,29 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
     assert (128 * dv // 8) % 256 == 0
     assert ptx.count("st.global.v4") == (128 * dv // 8) // 256
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d", [64, 128])
+def test_varlen_paired_order_compiles(d):
+    """Varlen causal calls of few, long sequences without GQA run pairs of equal work within each
+    sequence: each tile's sequence comes from a warp scan of cu_seqlens (shuffles and a ballot in
+    the producer's and the consumers' tile loops and slot bounds); GQA, short sequences and many
+    sequences keep heaviest first in L2 sections (fast/sm90._paired_varlen)."""
+    from dualattn.fast.sm90 import PAIRED_VARLEN_MAX_SEQUENCES, PAIRED_VARLEN_MIN_SEQLEN
+
+    long_seq = PAIRED_VARLEN_MIN_SEQLEN[d]
+    spec = AttentionSpec("varlen", 10, long_seq, long_seq, 8, 8, d, d, torch.bfloat16, "cuda", causal=True,
+                         return_lse=True)
+    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-6] is True
+    for other in (replace(spec, num_heads_kv=2), replace(spec, seqlen_q=long_seq - 1),
+                  replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
+        assert not FastSm90Forward.paired(other)
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    assert ptx.count("shfl.sync.up") == 4 * 5  # 5-step inclusive scan: 2 tile loops + 2 slot bounds
+    assert ptx.count("vote.sync.ballot") == 4
+    assert _loops_with(ptx, "wgmma.mma_async") >= 2
 
 
 @pytest.mark.parametrize("width", [16])

@@ -134,6 +134,14 @@ VARLEN_CASES.append(("varlen-10docs-d128-causal", [409] * 9 + [415], [409] * 9 +
                      True, {}))
 VARLEN_CASES.append(("varlen-fp16-d128", [333, 129], [129, 333], 4, 2, 128, False,
                      {"dtype": "float16"}))
+# the paired causal order across sequences of uneven lengths (a warp scan of cu_seqlens finds a
+# unit's sequence: one and two 32-sequence steps, empty and one-row sequences among them) and the
+# calls that keep heaviest first (fast/sm90._paired_varlen): short sequences, too many
+for _name, _n, _d, _base, _mod in (("paired", 10, 128, 500, 1200), ("paired", 45, 64, 1500, 1100),
+                                   ("short", 10, 128, 13, 400), ("many", 70, 128, 13, 400)):
+    _lens = [0 if i % 9 == 0 else 1 if i % 11 == 0 else _base + (i * 397) % _mod for i in range(_n)]
+    VARLEN_CASES.append((f"varlen-{_name}{_n}-d{_d}-causal", _lens,
+                         [n + (i % 3) * 40 for i, n in enumerate(_lens)], 4, 4, _d, True, {}))
 
 
 # key ranges and block-sparse: (name, builder(seed) -> (AttentionCall, reference AttentionCall

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from dualattn.fast.common.tile_order import heads_per_section, heavy_first_in_sections, paired_tile, paired_units
+from dualattn.fast.common.tile_order import (heads_per_section, heavy_first_in_sections, paired_tile, paired_units,
+                                              varlen_paired_tile, varlen_paired_units)
 
 
 @pytest.mark.parametrize("num_m_blocks, num_bh, section", [
@@ -87,3 +88,59 @@ def test_paired_order_balances_causal_work(seqlen, head_dim):
     for t in range(nm * bh):
         strided[t % sms] += cost(heavy_first_in_sections(t, nm, bh, section, min)[0])
     assert mean / max(work) >= 0.96 and max(work) <= max(strided) + 1e-9
+
+
+def _varlen_paired_schedule(tiles_per_sequence, num_heads, num_sms):
+    """Per CTA, the (sequence, head, m_block) it runs in order (the kernel's grid: one CTA per SM
+    up to the padded tile count; its slot bound: two per unit, whole rounds of the grid)."""
+    units = varlen_paired_units(tiles_per_sequence, num_heads)
+    ctas = min(max(tiles_per_sequence, default=0) * num_heads * len(tiles_per_sequence), num_sms)
+    runs = [[] for _ in range(ctas)]
+    for t in range(2 * ctas * -(-units // ctas)):
+        m, seq, head, valid = varlen_paired_tile(t, ctas, tiles_per_sequence, num_heads)
+        if valid:
+            runs[t % ctas].append((seq, head, m))
+    return runs
+
+
+@pytest.mark.parametrize("tiles_per_sequence, num_heads, num_sms", [
+    ([14, 18, 9, 8, 17, 16, 7, 10, 19, 13], 16, 132), ([0, 1, 0, 3, 1, 2], 3, 132), ([5], 1, 132),
+    ([2, 0, 7, 7, 1], 4, 5), ([1] * 64, 2, 132), ([33, 1], 2, 1)])
+def test_varlen_paired_order_runs_every_tile_once(tiles_per_sequence, num_heads, num_sms):
+    runs = _varlen_paired_schedule(tiles_per_sequence, num_heads, num_sms)
+    tiles = sorted(t for r in runs for t in r)
+    assert tiles == [(s, h, m) for s, n in enumerate(tiles_per_sequence) for h in range(num_heads)
+                     for m in range(n)]
+    for r in runs:  # a unit's two blocks back to back, the heavier first, same sequence and head
+        i = 0
+        while i < len(r):
+            s0, h0, m0 = r[i]
+            n = tiles_per_sequence[s0]
+            if 2 * m0 == n - 1:  # an odd count's middle block: a unit of its own
+                i += 1
+                continue
+            s1, h1, m1 = r[i + 1]
+            assert (s0, h0) == (s1, h1) and m0 + m1 == n - 1 and m0 > m1
+            i += 2
+
+
+def test_varlen_paired_order_balances_the_bench_documents():
+    """The bench's 10 packed causal documents (hd128, 16 heads, 132 SMs): with a tile costing its
+    key blocks plus a fixed overhead, the busiest CTA of the paired order carries at most one unit
+    (the longest document's) more than the mean, and less than the heaviest-first stride over the
+    padded grid leaves it."""
+    from dualattn.bench import doc_lengths
+
+    tiles = [-(-n // 128) for n in doc_lengths(16384, 10)]
+    heads, sms, overhead = 16, 132, 1.2
+    work = [sum(overhead + m + 1 for _, _, m in r) for r in _varlen_paired_schedule(tiles, heads, sms)]
+    mean = sum(heads * sum(overhead + m + 1 for m in range(n)) for n in tiles) / sms
+    assert max(work) - mean <= max(tiles) + 1 + 2 * overhead
+    nm, bh = max(tiles), heads * len(tiles)
+    section = min(heads_per_section(128 * nm, 128 * 4, max, 32 << 20), bh)
+    strided = [0.0] * sms
+    for t in range(nm * bh):
+        m, rest = heavy_first_in_sections(t, nm, bh, section, min)
+        if m < tiles[rest // heads]:
+            strided[t % sms] += overhead + m + 1
+    assert max(work) < max(strided)

@@ -52,6 +52,29 @@ def paired_units(num_m_blocks, num_bh):
     return (num_m_blocks + 1) // 2 * num_bh
 
 
+def paired_slot(tile, num_ctas):
+    """(unit, second) of slot ``tile`` of the paired order: CTA c strides by ``num_ctas`` over
+    two slots per unit, so it runs units c, c + num_ctas, ... whole (``second``: 0 for the
+    unit's heavier block, 1 for its lighter one)."""
+    k = tile // num_ctas
+    unit = (tile - k * num_ctas) + (k // 2) * num_ctas
+    return unit, k - (k // 2) * 2
+
+
+def pair_of_unit(unit, second, num_m_blocks, num_bh):
+    """(m_block, bh, valid) of block ``second`` of ``unit``, the units going head by head, each
+    head's ((num_m_blocks + 1) // 2 of them) pairing query blocks p and num_m_blocks - 1 - p.
+    ``valid`` is false past the last head and for the second block of an odd count's middle
+    unit."""
+    units_per_bh = (num_m_blocks + 1) // 2
+    bh = unit // units_per_bh
+    light = unit - bh * units_per_bh
+    heavy = num_m_blocks - 1 - light
+    m_block = heavy - second * (heavy - light)
+    valid = (bh < num_bh) & ((second == 0) | (light < heavy))
+    return m_block, bh, valid
+
+
 def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
     """(m_block, bh, valid) of slot ``tile`` of a persistent causal grid of ``num_ctas`` CTAs that
     strides by ``num_ctas`` over 2 * num_ctas * ceil(units / num_ctas) slots.
@@ -63,15 +86,28 @@ def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
     unit, where heaviest-first single tiles left 11-13 % of the SM time idle at hd128 1k-4k (the
     CPU model of tests/test_tile_order.py; Nsight Compute measured 12 % at 1k). Units go head
     by head, so the CTAs running together share a few heads' K/V in L2.
-    ``valid`` is false for the slots past the last unit and for the second slot of an odd
-    count's middle block. Plain integer arithmetic: the kernels trace it with Int32 operands."""
-    k = tile // num_ctas
-    unit = (tile - k * num_ctas) + (k // 2) * num_ctas
-    second = k - (k // 2) * 2  # 0: the unit's heavier block, 1: its lighter one
-    units_per_bh = (num_m_blocks + 1) // 2
-    bh = unit // units_per_bh
-    light = unit - bh * units_per_bh
-    heavy = num_m_blocks - 1 - light
-    m_block = heavy - second * (heavy - light)
-    valid = (bh < num_bh) & ((second == 0) | (light < heavy))
-    return m_block, bh, valid
+    Plain integer arithmetic: the kernels trace it with Int32 operands."""
+    unit, second = paired_slot(tile, num_ctas)
+    return pair_of_unit(unit, second, num_m_blocks, num_bh)
+
+
+def varlen_paired_units(tiles_per_sequence, num_heads):
+    """Units of the varlen paired order: sequence by sequence, head by head, (n + 1) // 2 pairs of
+    each head's n query blocks. A CPU model of the kernel's search (FlashFwdSm90.varlen_unit_doc)
+    and of its slot bound; the kernel computes the same sums with a warp scan over cu_seqlens."""
+    return sum(num_heads * ((n + 1) // 2) for n in tiles_per_sequence)
+
+
+def varlen_paired_tile(tile, num_ctas, tiles_per_sequence, num_heads):
+    """(m_block, sequence, head, valid) of slot ``tile`` of the varlen paired order (CPU model):
+    units numbered across sequences without gaps, so the static stride stays balanced up to one
+    unit as in the batched order; a unit pairs blocks p and n - 1 - p of its own sequence."""
+    unit, second = paired_slot(tile, num_ctas)
+    first = 0
+    for seq, n in enumerate(tiles_per_sequence):
+        count = num_heads * ((n + 1) // 2)
+        if unit < first + count:
+            m_block, head, valid = pair_of_unit(unit - first, second, n, num_heads)
+            return m_block, seq, head, valid
+        first += count
+    return 0, len(tiles_per_sequence), 0, False

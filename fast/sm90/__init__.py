@@ -150,6 +150,22 @@ def _persistent_csr(spec) -> bool:
         and spec.head_dim_v <= 128
 
 
+PAIRED_VARLEN_MAX_SEQUENCES = 64  # see _paired_varlen
+PAIRED_VARLEN_MIN_SEQLEN = {64: 1536, 96: 768, 128: 768}
+
+
+def _paired_varlen(spec) -> bool:
+    """Varlen causal calls whose pairs (FastSm90Forward.paired) pay for the warp scan of
+    cu_seqlens that finds each tile's sequence: at most PAIRED_VARLEN_MAX_SEQUENCES sequences (one
+    or two 32-sequence steps per tile), the longest of at least PAIRED_VARLEN_MIN_SEQLEN rows, no
+    GQA. H100, bf16, 16k tokens, causal, paired against heaviest first in L2 sections (7
+    interleaved rounds, medians; repros of 2026-11-25): hd128 10 uneven documents (871-2312 rows)
+    1.03x, 16 x 1k 1.07x, 8 x 2k 1.08x, but 40 documents (mean 410) 0.94x and GQA 16/4 10
+    documents 0.96x; hd64 10 documents 1.07x, 16 x 1k 0.96x, 40 documents 0.87x."""
+    return (spec.batch <= PAIRED_VARLEN_MAX_SEQUENCES and spec.num_heads_q == spec.num_heads_kv
+            and spec.seqlen_q >= PAIRED_VARLEN_MIN_SEQLEN.get(spec.head_dim, 1 << 30))
+
+
 HD256_NARROW_TILE_N = 64
 HD256_WIDE_TILE_MIN_CAUSAL_SEQLEN = 8192
 
@@ -380,13 +396,16 @@ class FastSm90Forward:
     def paired(cls, spec) -> bool:
         """Causal / right-bounded tiles on the persistent grid run in pairs of equal work
         (fast/common/tile_order.paired_tile) instead of heaviest first in L2 sections, which left
-        11-13 % of the SM time idle at hd128 1k-4k. Not varlen (its sequences differ in length:
-        heaviest first across them) nor key ranges / block-sparse (one CTA per tile).
+        11-13 % of the SM time idle at hd128 1k-4k. Varlen pairs the blocks of each sequence
+        (pairs of different sequences differ in work; CTA c still runs every num_ctas-th pair;
+        each tile finds its sequence by a warp scan of cu_seqlens) for calls of few, long
+        sequences without GQA (_paired_varlen); other varlen calls run in varlen_sections' order. Not key ranges / block-sparse (one CTA per tile).
         DUALATTN_SM90_PAIRED=0 turns it off (comparisons)."""
         persistent = cls.config(spec)[5]
         masked_right = spec.causal or spec.window[1] >= 0
-        return (persistent and masked_right and spec.mode != "varlen" and not spec.has_key_ranges
-                and not spec.has_block_sparse and _PAIRED_ENV != "0")
+        return (persistent and masked_right and not spec.has_key_ranges
+                and not spec.has_block_sparse and _PAIRED_ENV != "0"
+                and (spec.mode != "varlen" or _paired_varlen(spec)))
 
     @staticmethod
     def varlen_sections(spec) -> bool:

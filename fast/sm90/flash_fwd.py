@@ -47,8 +47,8 @@ from cutlass.utils import LayoutEnum
 from cutlass import Boolean
 
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
-from dualattn.fast.common.tile_order import (heads_per_section, heavy_first_in_sections, paired_tile,
-                                              paired_units)
+from dualattn.fast.common.tile_order import (heads_per_section, heavy_first_in_sections, pair_of_unit,
+                                              paired_slot, paired_tile, paired_units)
 from dualattn.fast.common.mask import (
     apply_key_ranges,
     block_inside_ranges,
@@ -208,7 +208,7 @@ class FlashFwdSm90:
         self.persistent = persistent
         # causal / right-bounded tiles on the persistent grid in pairs of equal work
         # (tile_order.paired_tile; FastSm90Forward.paired decides)
-        assert not paired or (persistent and self.mask_right and not varlen and not self.dynamic_mask)
+        assert not paired or (persistent and self.mask_right and not self.dynamic_mask)
         self.paired = paired
         # varlen causal / right-bounded tiles heaviest first within L2 sections of (sequence,
         # head) pairs, as batched calls (FastSm90Forward.varlen_sections decides); off: heaviest
@@ -323,7 +323,7 @@ class FlashFwdSm90:
         if const_expr(self.persistent):
             # one CTA per SM (shared memory allows one), each walking tiles with a stride
             grid = (cutlass.min(self.num_tiles(mQ, vl), num_sms), 1, 1)
-            if const_expr(self.paired):
+            if const_expr(self.paired and not self.varlen):  # (varlen: its units are counted in the kernel)
                 grid = (cutlass.min(paired_units(num_m_blocks, cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])),
                                     num_sms), 1, 1)
         # varlen stores a sequence's last, partial tile with row-predicated stores (a TMA store
@@ -507,7 +507,11 @@ class FlashFwdSm90:
         """Bound of the tile loop: the tiles, or with the paired order its slots (two per unit,
         whole rounds of the grid; tile_order.paired_tile)."""
         n = self.num_tiles(mQ, vl)
-        if const_expr(self.paired):
+        if const_expr(self.paired and self.varlen):
+            gx = cute.arch.grid_dim()[0]
+            units = self.varlen_unit_doc(Int32(1 << 30), vl, cute.size(mQ.shape[2]))[3]
+            n = 2 * gx * cute.ceil_div(units, gx)
+        elif const_expr(self.paired):
             gx = cute.arch.grid_dim()[0]
             units = paired_units(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
                                  cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]))
@@ -545,21 +549,18 @@ class FlashFwdSm90:
         active = Boolean(True)
         if const_expr(self.mask_right):
             hb = num_heads * num_batch
-            if const_expr(self.paired):
+            if const_expr(self.paired and self.varlen):
+                # pairs within each sequence, numbered across sequences (a warp scan of cu_seqlens
+                # per tile; FastSm90Forward.paired keeps it to calls of few, long sequences)
+                m_block, rest, active = self.varlen_paired_tile(tile, vl, num_heads)
+            elif const_expr(self.paired):
                 m_block, rest, active = paired_tile(tile, cute.arch.grid_dim()[0], num_m_blocks, hb)
             elif const_expr(self.varlen and not self.varlen_sections):
                 m_block = num_m_blocks - 1 - tile // hb
                 rest = tile % hb
             else:
-                # heaviest first within sections of heads whose K/V fit in L2 (fast/common/tile_order)
-                # query heads of one KV head (GQA) share its K/V: a section holds that many more.
-                # varlen: mK holds every sequence's keys; the longest query sequence stands in for
-                # a sequence's key count (exact for self-attention; only the order depends on it)
-                kv_rows = vl[2] if const_expr(self.varlen) else seqlen_k
-                section = heads_per_section(kv_rows, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
-                                            cutlass.max) * (num_heads // cute.size(mK.shape[2]))
-                m_block, rest = heavy_first_in_sections(tile, num_m_blocks, hb, cutlass.min(section, hb),
-                                                        cutlass.min)
+                m_block, rest = self.heavy_first_in_l2_sections(tile, num_m_blocks, hb, num_heads,
+                                                                seqlen_k, mK, vl)
         head = rest % num_heads
         batch = rest // num_heads
         offset_q = Int32(0)
@@ -586,11 +587,79 @@ class FlashFwdSm90:
         if const_expr(self.varlen):
             # the grid covers max_seqlen_q: a tile past this sequence's end loads Q (harmless),
             # visits no key block and stores nothing (row predicates)
-            if m_block * BM >= seqlen_q:
+            # (and the paired order's empty slots)
+            active = active & (m_block * BM < seqlen_q)
+            if not active:
                 n_block_max = n_block_min
-            active = m_block * BM < seqlen_q
         return (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k,
                 offset_q, offset_k, active)
+
+    @cute.jit
+    def heavy_first_in_l2_sections(self, tile, num_m_blocks, hb, num_heads, seqlen_k, mK, vl):
+        """(m_block, batch * heads + head) of a causal tile: heaviest first within sections of
+        heads whose K/V fit in L2 (fast/common/tile_order); query heads of one KV head (GQA) share
+        its K/V, so a section holds that many more. Varlen: mK holds every sequence's keys; the
+        longest query sequence stands in for a sequence's key count (exact for self-attention;
+        only the order depends on it)."""
+        kv_rows = vl[2] if const_expr(self.varlen) else seqlen_k
+        section = heads_per_section(kv_rows, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
+                                    cutlass.max) * (num_heads // cute.size(mK.shape[2]))
+        return heavy_first_in_sections(tile, num_m_blocks, hb, cutlass.min(section, hb), cutlass.min)
+
+    @cute.jit
+    def varlen_unit_doc(self, unit, vl, num_heads):
+        """(sequence, its first unit, its query blocks, units counted) of unit ``unit`` of the
+        varlen paired order (fast/common/tile_order.varlen_paired_tile is the CPU model): each
+        sequence holds heads * ((n + 1) // 2) units for its n query blocks. Warp-cooperative (every
+        lane of the calling warp, converged): 32 sequences per step, each lane one sequence, an
+        inclusive scan by shuffles, then a ballot finds the sequence whose units hold ``unit``.
+        Past the last unit: sequence = batch, and "units counted" is the total."""
+        mCuQ, num_batch = vl[0], vl[3]
+        BM = self.tile_m
+        lane = cute.arch.lane_idx()
+        base = Int32(0)
+        b0 = Int32(0)
+        stop = num_batch
+        seq = num_batch
+        first = Int32(0)
+        blocks = Int32(0)
+        while b0 < stop:
+            idx = b0 + lane
+            n = Int32(0)
+            if idx < num_batch:
+                n = (mCuQ[idx + 1] - mCuQ[idx] + (BM - 1)) // BM
+            u = num_heads * ((n + 1) // 2)
+            incl = u
+            for s in cutlass.range_constexpr(5):
+                t = cute.arch.shuffle_sync_up(incl, 1 << s)
+                if lane >= (1 << s):
+                    incl = incl + t
+            before = cute.arch.popc(cute.arch.vote_ballot_sync(incl <= unit - base))
+            if before < 32:  # lane `before` is the first whose units reach past `unit`
+                seq = b0 + before
+                first = base + cute.arch.shuffle_sync(incl - u, before)
+                blocks = cute.arch.shuffle_sync(n, before)
+                stop = Int32(0)
+            base = base + cute.arch.shuffle_sync(incl, 31)
+            b0 = b0 + 32
+        return seq, first, blocks, base
+
+    @cute.jit
+    def varlen_paired_tile(self, tile, vl, num_heads):
+        """(m_block, sequence * heads + head, valid) of slot ``tile`` of the varlen paired order:
+        units numbered across sequences without gaps (so the static stride stays balanced up to
+        one unit, as in the batched paired order), each pairing query blocks p and n - 1 - p of
+        one head of its sequence (equal work within a sequence)."""
+        unit, second = paired_slot(tile, cute.arch.grid_dim()[0])
+        seq, first, blocks, _ = self.varlen_unit_doc(unit, vl, num_heads)
+        m_block, head, valid = pair_of_unit(unit - first, second, cutlass.max(blocks, 1), num_heads)
+        m_out = Int32(0)
+        rest = Int32(0)
+        found = seq < vl[3]
+        if found:
+            m_out = m_block
+            rest = seq * num_heads + head
+        return m_out, rest, valid & found
 
     @cute.jit
     def first_tile_and_step(self):
