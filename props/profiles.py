@@ -87,6 +87,7 @@ def sharded(weight: float = 1.0):
 
     def deco(fn):
         fn = examples(weight / n)(fn)
+        fn.props_shard_weight = weight  # props/conftest.py hands the heaviest out first
         return pytest.mark.parametrize("shard", range(n), ids=[f"shard{i}of{n}" for i in range(n)])(fn)
     return deco
 
