@@ -95,31 +95,73 @@ def _die(msg: str) -> None:  # pragma: no cover - ends the process
     os._exit(124)
 
 
+# A compile is not a hang. A cold compile of a large config on a busy machine outlived the gpu
+# profile's 240 s (H100, 14 workers: the Triton fp32 d192 GQA backward with a window, key ranges
+# and a CSR took 141 s alone on the idle machine and 17 s from the cache). When the timer runs
+# out while the watched thread is inside one of these compilers, the timer starts again, up to
+# MAX_COMPILE_PERIODS more times; a hung kernel leaves the thread waiting on the device instead.
+COMPILER_SOURCES = tuple(os.sep + os.path.join(*parts) for parts in (
+    ("triton", "compiler", ""), ("triton", "backends", ""),  # Triton: lowering, ptxas
+    ("cutlass", "base_dsl", "compiler.py"), ("cutlass", "base_dsl", "dsl.py"),  # CuTe DSL
+    ("cutlass", "base_dsl", "ast_preprocessor.py")))
+MAX_COMPILE_PERIODS = 3
+
+
+def compiling(thread_id: int) -> bool:
+    """Is thread ``thread_id`` inside a kernel compiler now (a frame of COMPILER_SOURCES)?"""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if any(src in frame.f_code.co_filename for src in COMPILER_SOURCES):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def watchdog(call, impl, *, backward=False, dout=None, timeout: Optional[float] = None,
              on_timeout: Callable[[str], None] = _die):
     """Run the body with a timer: past ``timeout`` seconds the repro is saved and ``on_timeout``
-    runs (by default the process exits with 124, since a hung GPU kernel cannot be interrupted).
-    The body should synchronise the device before it ends (see :func:`sync`)."""
+    runs (by default the process exits with 124, since a hung GPU kernel cannot be interrupted),
+    unless the body is compiling a kernel then (``compiling``; the timer restarts up to
+    MAX_COMPILE_PERIODS times). The body should synchronise the device before it ends (see
+    :func:`sync`)."""
     timeout = profiles.current().watchdog_s if timeout is None else timeout
     fired = threading.Event()
+    watched = threading.get_ident()
+    periods = [0]
+    timer = [None]
+    lock = threading.Lock()  # a restarted timer must not outlive the body's end
+    done = [False]
 
     def fire():
+        with lock:
+            if done[0]:
+                return
+            if periods[0] < MAX_COMPILE_PERIODS and compiling(watched):
+                periods[0] += 1
+                timer[0] = threading.Timer(timeout, fire)
+                timer[0].daemon = True
+                timer[0].start()
+                return
         fired.set()
         try:
             path = save(call, impl.family, backward=backward, dout=dout, tag="hang")
         except Exception as e:  # the message matters more than the file
             path = f"(repro not saved: {e})"
-        on_timeout(f"HANG: {impl.name} did not finish within {timeout:.0f} s on {call.spec.short()}; "
+        spent = timeout * (1 + periods[0])
+        on_timeout(f"HANG: {impl.name} did not finish within {spent:.0f} s on {call.spec.short()}"
+                   f"{' (still compiling)' if compiling(watched) else ''}; "
                    f"repro: python -m dualattn diff {path}")
 
-    t = threading.Timer(timeout, fire)
-    t.daemon = True
-    t.start()
+    timer[0] = threading.Timer(timeout, fire)
+    timer[0].daemon = True
+    timer[0].start()
     try:
         yield fired
     finally:
-        t.cancel()
+        with lock:
+            done[0] = True
+            timer[0].cancel()
 
 
 def sync(device) -> None:
