@@ -142,6 +142,9 @@ for _name, _n, _d, _base, _mod in (("paired", 10, 128, 500, 1200), ("paired", 45
     _lens = [0 if i % 9 == 0 else 1 if i % 11 == 0 else _base + (i * 397) % _mod for i in range(_n)]
     VARLEN_CASES.append((f"varlen-{_name}{_n}-d{_d}-causal", _lens,
                          [n + (i % 3) * 40 for i, n in enumerate(_lens)], 4, 4, _d, True, {}))
+# the paired order with a left window bound too (tiles whose key ranges start past 0)
+VARLEN_CASES.append(("varlen-paired-win-d128", [0, 900, 1, 1300, 777], [0, 900, 41, 1380, 777], 4, 4, 128,
+                     True, {"window": (300, 0)}))
 
 
 # key ranges and block-sparse: (name, builder(seed) -> (AttentionCall, reference AttentionCall

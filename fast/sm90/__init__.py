@@ -160,7 +160,7 @@ def _paired_varlen(spec) -> bool:
     or two 32-sequence steps per tile), the longest of at least PAIRED_VARLEN_MIN_SEQLEN rows, no
     GQA. H100, bf16, 16k tokens, causal, paired against heaviest first in L2 sections (7
     interleaved rounds, medians; repros of 2026-11-25): hd128 10 uneven documents (871-2312 rows)
-    1.03x, 16 x 1k 1.07x, 8 x 2k 1.08x, but 40 documents (mean 410) 0.94x and GQA 16/4 10
+    1.03-1.04x, 16 x 1k 1.07x, 8 x 2k 1.08-1.12x (two runs), but 40 documents (mean 410) 0.94x and GQA 16/4 10
     documents 0.96x; hd64 10 documents 1.07x, 16 x 1k 0.96x, 40 documents 0.87x."""
     return (spec.batch <= PAIRED_VARLEN_MAX_SEQUENCES and spec.num_heads_q == spec.num_heads_kv
             and spec.seqlen_q >= PAIRED_VARLEN_MIN_SEQLEN.get(spec.head_dim, 1 << 30))
