@@ -8,6 +8,7 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                            # rescaled at every new max), on the dense cells
     python ci/sm90_grid_ab.py rescale_before_pv [64,128]   # O rescaled while the next Q K^T
                                            # runs against after the P V wait, on those head dims
+    python ci/sm90_grid_ab.py wg_epilogue  # per-warpgroup epilogues against one for all warpgroups
     python ci/sm90_grid_ab.py varlen_sections   # varlen causal tiles in L2 sections against
                                                 # heaviest first across all, on packed documents
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
@@ -29,7 +30,8 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "paired": ("_PAIRED_ENV", "0", "heaviest first"),
          "varlen_sections": ("_VARLEN_SECTIONS_ENV", "0", "across all"),
          "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold"),  # value: the second argument
-         "rescale_before_pv": ("", "1", "rescale before P V")}
+         "rescale_before_pv": ("", "1", "rescale before P V"),
+         "wg_epilogue": ("_WG_EPILOGUE_ENV", "0", "one epilogue")}
 
 
 def _set_tiles(_module, _attr, value):

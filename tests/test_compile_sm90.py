@@ -68,6 +68,15 @@ def test_compiles_for_sm90a_with_wgmma_loop(d, causal, dtype):
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # producer's K/V TMA loop
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
+    # O's epilogue: with its own buffer (D <= 128) each warpgroup stages and stores its 64 rows
+    # behind a barrier of its own 128 threads (ids 5..); O aliased with Q (D > 128) waits for all
+    # consumer warpgroups at barrier 1
+    wgs = FastSm90Forward.config(spec)[0] // 64
+    assert FastSm90Forward.wg_epilogue(spec) is (d <= 128)
+    if d <= 128:
+        assert re.search(r"bar\.sync\s+%r\d+,\s*128;", ptx) and not re.search(r"bar\.sync\s+1,", ptx)
+    else:
+        assert re.search(r"bar\.sync\s+1,\s*%d;" % (128 * wgs), ptx)
 
 
 @pytest.mark.compile_only
@@ -76,7 +85,7 @@ def test_compile_key_is_explicit_and_shape_free():
     assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, 1, False, False, 8.0, False, L2_SECTION_BYTES, "sm_90a")
+                   False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, "sm_90a")
     # the paired causal order is compiled in (persistent causal grids only)
     assert FORWARD.compile_key(_spec(64, True), 90)[-6] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
@@ -255,8 +264,9 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
     # O of a tile inside its sequence leaves by TMA store; a sequence's last, partial tile through
     # row-predicated 16-byte st.global from shared memory (a TMA store would cross the sequence's
-    # end): 128 rows x dv / 8 vectors, exactly split over 256 threads (at dv 96 / 192 the old
-    # layout issued 7 / 13 stores, the extra ones past row 127)
+    # end): 128 rows x dv / 8 vectors, exactly split over 256 threads, or at D <= 128 (one
+    # epilogue per warpgroup) each warpgroup's 64 rows over its 128 threads: as many stores per
+    # thread (at dv 96 / 192 the old layout issued 7 / 13 stores, the extra ones past row 127)
     assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared", ptx)
     assert (128 * dv // 8) % 256 == 0
     assert ptx.count("st.global.v4") == (128 * dv // 8) // 256
@@ -304,20 +314,23 @@ def test_varlen_o_store_threads_tile_exactly(width):
 _O_STORE_MAPS = {}
 
 
-def _o_store_map(dv):
+def _o_store_map(dv, per_wg=False):
     """The kernel's own varlen O-store tiled copy evaluated at trace time for all 256 consumer
-    threads: {thread: {(m, k): [(row, col) of the vector's elements]}} with (m, k) the (row step,
-    column step) modes that store_O_rows indexes, its row predicate read at [0, m, 0]."""
+    threads (per_wg: one warpgroup's 128, over its 64 rows): {thread: {(m, k): [(row, col) of the
+    vector's elements]}} with (m, k) the (row step, column step) modes that copy_rows indexes,
+    its row predicate read at [0, m, 0]."""
     import cutlass.cute as cute
     from dualattn.fast.sm90.flash_fwd import FlashFwdSm90
     kern = FlashFwdSm90(cutlass.BFloat16, dv, dv, False, 64, 2, varlen=True)
 
+    rows, nthreads = (64, 128) if per_wg else (kern.tile_m, 256)
+
     @cute.jit
     def trace():
-        tiled = kern.o_store_tiled_copy()
+        tiled = kern.o_store_tiled_copy(per_wg)
         out = {}
-        for t in cutlass.range_constexpr(256):
-            tOcO = tiled.get_slice(t).partition_S(cute.make_identity_tensor((kern.tile_m, dv)))
+        for t in cutlass.range_constexpr(nthreads):
+            tOcO = tiled.get_slice(t).partition_S(cute.make_identity_tensor((rows, dv)))
             steps = {}
             for m in cutlass.range_constexpr(cute.size(tOcO, mode=[1])):
                 for k in cutlass.range_constexpr(cute.size(tOcO, mode=[2])):
@@ -326,36 +339,39 @@ def _o_store_map(dv):
                         elems.append(tOcO[e, m, k])
                     steps[(m, k)] = elems
             out[t] = steps
-        _O_STORE_MAPS[dv] = (out, cute.size(tiled))
+        _O_STORE_MAPS[dv, per_wg] = (out, cute.size(tiled))
 
     cute.compile(trace, options="--gpu-arch sm_90a")
-    return _O_STORE_MAPS[dv]
+    return _O_STORE_MAPS[dv, per_wg]
 
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("dv", [96, 192, 64, 128, 256])
-def test_varlen_o_store_writes_each_element_of_the_tile_once(dv):
+@pytest.mark.parametrize("dv,per_wg", [(96, False), (192, False), (64, False), (128, False),
+                                       (256, False), (64, True), (96, True), (128, True)])
+def test_varlen_o_store_writes_each_element_of_the_tile_once(dv, per_wg):
     """CPU model of the varlen epilogue's thread -> (row, vector) mapping, from the kernel's own
-    tiled copy: every element of the 128 x Dv tile is written by exactly one (thread, step), as
-    one 16-byte vector of 8 consecutive columns, and no row >= 128 is touched (the H100 failures
-    at Dv 96 / 192: rows 128.. of a sequence, the next query tile's, overwritten with shared
-    memory from past O's tile by the CTA of the tile before)."""
-    threads, nthr = _o_store_map(dv)
-    assert nthr == 256
+    tiled copy: every element of the 128 x Dv tile (per_wg: one warpgroup's 64 x Dv slice, by its
+    128 threads) is written by exactly one (thread, step), as one 16-byte vector of 8 consecutive
+    columns, and no row past the tile is touched (the H100 failures at Dv 96 / 192: rows 128.. of
+    a sequence, the next query tile's, overwritten with shared memory from past O's tile by the
+    CTA of the tile before)."""
+    threads, nthr = _o_store_map(dv, per_wg)
+    rows, nthreads = (64, 128) if per_wg else (128, 256)
+    assert nthr == nthreads
     seen = {}
     for t, steps in threads.items():
-        assert len(steps) == 128 * dv // 8 // 256  # as many vectors per thread: none idle
+        assert len(steps) == rows * dv // 8 // nthreads  # as many vectors per thread: none idle
         for (m, k), elems in steps.items():
             r0, c0 = elems[0]
             assert len(elems) == 8 and c0 % 8 == 0
             assert elems == [(r0, c0 + e) for e in range(8)], (t, m, k, elems)
             # store_O_rows predicates step m on row tOcO[0, m, 0]: the same row for every k
             assert steps[(m, 0)][0][0] == r0
-            assert 0 <= r0 < 128 and c0 + 8 <= dv, (t, m, k, r0, c0)
+            assert 0 <= r0 < rows and c0 + 8 <= dv, (t, m, k, r0, c0)
             assert (r0, c0) not in seen, f"({r0}, {c0}) written by threads {seen[(r0, c0)]} and {t}"
             seen[(r0, c0)] = t
-    assert len(seen) == 128 * dv // 8
+    assert len(seen) == rows * dv // 8
 
 
 def test_varlen_refusals_and_kvcache():
@@ -483,7 +499,7 @@ def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
 @pytest.mark.timeout(300)
 def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
-    32 / 160 per producer / consumer thread, the epilogue barrier over 384 threads, the GEMM
+    32 / 160 per producer / consumer thread, an epilogue barrier per warpgroup, the GEMM
     issue ordered in a ring of three named barriers); causal below 4k queries keeps 2."""
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True
@@ -506,7 +522,7 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert ".reqntid 512, 1, 1" in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+32\b", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160\b", ptx)
-    assert re.search(r"bar\.sync\s+1,\s*384;", ptx)
+    assert re.search(r"bar\.sync\s+%r\d+,\s*128;", ptx) and not re.search(r"bar\.sync\s+1,", ptx)
     # the ring: each warpgroup waits on its own barrier (2, 3, 4) and arrives on the next one's
     assert re.search(r"bar\.sync\s+%r\d+,\s*256;", ptx) and re.search(r"bar\.arrive\s+%r\d+,\s*256;", ptx)
     assert _loops_with(ptx, "wgmma.mma_async") >= 1

@@ -49,6 +49,7 @@ _PAIRED_ENV = os.environ.get("DUALATTN_SM90_PAIRED", "")  # see FastSm90Forward.
 _VARLEN_SECTIONS_ENV = os.environ.get("DUALATTN_SM90_VARLEN_SECTIONS", "")  # see .varlen_sections
 _RESCALE_THRESHOLD_ENV = os.environ.get("DUALATTN_SM90_RESCALE_THRESHOLD", "")  # see .rescale_threshold
 _RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  # see .rescale_before_pv
+_WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm90Forward.wg_epilogue
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -336,8 +337,8 @@ class FastSm90Forward:
         g = self.pack_gqa(spec)
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
-                *self.mask_flags(spec), *self.config(spec), self.q_stages(spec), self.paired(spec),
-                self.varlen_sections(spec),
+                *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec),
+                self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 arch_string(arch))
 
@@ -407,6 +408,17 @@ class FastSm90Forward:
                 and not spec.has_block_sparse and _PAIRED_ENV != "0"
                 and (spec.mode != "varlen" or _paired_varlen(spec)))
 
+    @classmethod
+    def wg_epilogue(cls, spec) -> bool:
+        """Each consumer warpgroup normalises, stages and stores its own 64 rows of O (its own
+        named barrier and TMA store) rather than all warpgroups together behind one barrier:
+        the warpgroup that runs half a key block ahead (ping-pong) then starts its next tile
+        while the others finish theirs, so the tensor cores keep working across tile
+        boundaries. Needs O's own shared-memory buffer (D <= 128). DUALATTN_SM90_WG_EPILOGUE=0
+        turns it off (comparisons)."""
+        separate_o = cls.config(spec)[6]
+        return separate_o and 64 % cls.pack_gqa(spec) == 0 and _WG_EPILOGUE_ENV != "0"
+
     @staticmethod
     def varlen_sections(spec) -> bool:
         """Varlen causal / right-bounded tiles heaviest first within L2 sections of (sequence,
@@ -428,6 +440,7 @@ class FastSm90Forward:
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
                             num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec),
                             paired=self.paired(spec), varlen_sections=self.varlen_sections(spec),
+                            wg_epilogue=self.wg_epilogue(spec),
                             rescale_threshold=self.rescale_threshold(spec),
                             rescale_before_pv=self.rescale_before_pv(spec))
 

@@ -67,6 +67,7 @@ LN_2 = math.log(2.0)
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1     # the consumer threads, around the O staging in shared memory
 _BAR_WG_SCHED = 2     # 2, 3 (, 4): round-robin order of the consumer warpgroups' GEMM issue
+_BAR_EPILOGUE_WG = 5  # 5, 6 (, 7): one warpgroup's threads around its own O rows (wg_epilogue)
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -161,7 +162,7 @@ class FlashFwdSm90:
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
-                 varlen_sections: bool = False):
+                 varlen_sections: bool = False, wg_epilogue: bool = False):
         self.dtype = dtype
         # intra-warpgroup overlap: O rescaled by the previous block's corrections while this
         # block's Q K^T runs, before its P V is issued, instead of after the P V wait
@@ -222,6 +223,13 @@ class FlashFwdSm90:
         # it, the next tile's first K/V) while this tile runs; O must then have its own buffer
         assert q_stages in (1, 2) and (q_stages == 1 or (separate_o and persistent))
         self.q_stages = q_stages
+        # each consumer warpgroup stages and stores its own 64 rows of O (its own named barrier,
+        # its own TMA store) instead of all of them together: the first warpgroup to finish a
+        # tile no longer waits at the epilogue for the one whose GEMMs trail it by half a key
+        # block, and its epilogue and next tile's first Q K^T run beside the others' last P V.
+        # Needs O's own buffer (an aliased one is Q's, which both warpgroups read until the end)
+        assert not wg_epilogue or (separate_o and 64 % pack_gqa == 0)
+        self.wg_epilogue = wg_epilogue
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
@@ -271,7 +279,9 @@ class FlashFwdSm90:
         sQ_layout = self._smem_layout((BM, D), self.q_stages if const_expr(self.q_stages > 1) else None)
         sK_layout = self._smem_layout((BN, D), self.num_stages)
         sV_layout = self._smem_layout((BN, Dv), self.num_stages)
-        sO_layout = self._smem_layout((BM, Dv), None)
+        # wg_epilogue: O as (64, Dv, warpgroup), each warpgroup's rows one TMA box of their own
+        sO_layout = (self._smem_layout((64, Dv), self.num_mma_wg) if const_expr(self.wg_epilogue)
+                     else self._smem_layout((BM, Dv), None))
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         sQ_one = cute.select(sQ_layout, mode=[0, 1]) if const_expr(self.q_stages > 1) else sQ_layout
@@ -280,8 +290,12 @@ class FlashFwdSm90:
             tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (BN, D), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (BN, Dv), 1)
-        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (BM, Dv))
+        if const_expr(self.wg_epilogue):
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, Dv))
+        else:
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO, sO_layout, (BM, Dv))
 
         self.tx_bytes_q = cute.size_in_bytes(self.dtype, sQ_one)
         self.tx_bytes_k = cute.size_in_bytes(self.dtype, cute.select(sK_layout, mode=[0, 1]))
@@ -762,7 +776,19 @@ class FlashFwdSm90:
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                         num_bits_per_copy=2 * self.dtype.width)
         thr_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv).get_slice(tidx)
-        tOsO_r2s = thr_copy_O.partition_D(sO)
+        sO_mn = sO
+        if const_expr(self.wg_epilogue):
+            # the (tile_m, Dv) view of the (64, Dv, warpgroup) buffer: row r is row r % 64 of
+            # warpgroup r // 64's slice, which holds exactly that warpgroup's accumulator rows
+            sO_mn = cute.composition(
+                sO, cute.make_layout(((64, self.num_mma_wg), Dv), stride=((1, 64 * Dv), 64)))
+        tOsO_r2s = thr_copy_O.partition_D(sO_mn)
+        # the threads that share O's staging: all consumers, or (wg_epilogue) this warpgroup
+        epi_bar = _BAR_EPILOGUE
+        epi_threads = 128 * self.num_mma_wg
+        if const_expr(self.wg_epilogue):
+            epi_bar = _BAR_EPILOGUE_WG + wg
+            epi_threads = 128
 
         # ping-pong: warpgroup 0 goes first. Each later Q K^T issue of one warpgroup waits for the
         # other's; the last arrive of a tile is the first "go" of the next one.
@@ -915,18 +941,21 @@ class FlashFwdSm90:
                 # issued that store, waits for it here, a whole tile after issuing it (varlen
                 # partial tiles: every thread's own shared-memory reads are complete already).
                 if const_expr(self.separate_o):
-                    if tidx < 32:
+                    if tidx % epi_threads < 32:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
+                cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
                 rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
                 rO.store(acc_O.load().to(self.dtype))
                 cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
                 cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
+                cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
                 # varlen: a tile that ends inside its sequence goes out by TMA like a batched one
                 # (warp 0 issues it, the others go on); a sequence's last, partial tile by
                 # row-predicated 16-byte stores (a TMA store would write the next sequence's rows)
-                if const_expr(self.varlen):
+                if const_expr(self.wg_epilogue):
+                    self.store_O_wg(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q,
+                                    seqlen_q, tidx, wg, vl)
+                elif const_expr(self.varlen):
                     rows_left = seqlen_q - m_block * BM
                     if rows_left >= BM:
                         self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
@@ -940,8 +969,8 @@ class FlashFwdSm90:
                     pipe_q.consumer_release(q_state)
                     q_state.advance()
             tile += step
-        # shared memory must outlive the last store's reads
-        if tidx < 32:
+        # shared memory must outlive the last store's reads (each issuing warp waits for its own)
+        if tidx % epi_threads < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
@@ -1059,12 +1088,16 @@ class FlashFwdSm90:
         return need or not block_inside_ranges(ctx.inter, n_block * BN, n_block * BN + BN,
                                                self.num_key_ranges)
 
-    def o_store_tiled_copy(self):
-        """The varlen epilogue's shared -> global copy: 256 threads as (rows, tpr), row-major,
-        16 bytes (one vector) per thread and step; the copy repeats over the rest of the
-        (tile_m, Dv) tile. Called while tracing (also by the CPU test of the mapping)."""
-        rows, tpr = o_store_threads(self.head_dim_v, self.dtype.width, self.tile_m,
-                                    self.num_threads_per_wg * self.num_mma_wg)
+    def o_store_tiled_copy(self, per_wg: bool = False):
+        """The varlen epilogue's shared -> global copy: the consumer threads (per_wg: one
+        warpgroup's 128) as (rows, tpr), row-major, 16 bytes (one vector) per thread and step; the
+        copy repeats over the rest of the (tile_m, Dv) tile (per_wg: (64, Dv)). Called while
+        tracing (also by the CPU test of the mapping)."""
+        if per_wg:
+            rows, tpr = o_store_threads(self.head_dim_v, self.dtype.width, 64, self.num_threads_per_wg)
+        else:
+            rows, tpr = o_store_threads(self.head_dim_v, self.dtype.width, self.tile_m,
+                                        self.num_threads_per_wg * self.num_mma_wg)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         return cute.make_tiled_copy_tv(
             atom, cute.make_ordered_layout((rows, tpr), order=(1, 0)),
@@ -1081,12 +1114,58 @@ class FlashFwdSm90:
                                      (BM, Dv), (m_block, 0))
             else:
                 gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
-                                               cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2))
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
+            self.tma_store_slice(tma_atom_O, sO, gO)
             if const_expr(not self.separate_o):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def store_O_wg(self, tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q,
+                   tidx, wg, vl=None):
+        """wg_epilogue: warpgroup wg stores its own 64 rows of the tile, slice wg of the (64, Dv,
+        warpgroup) buffer: by TMA (warp 0 of the warpgroup issues it, one bulk group; batched
+        calls' TMA clips rows past the tensor's end), or for a varlen slice that runs past its
+        sequence's end by row-predicated stores of the warpgroup's 128 threads (a TMA store
+        would write the next sequence's rows). A slice wholly past the end stores nothing."""
+        Dv = self.head_dim_v
+        slot = m_block * self.num_mma_wg + wg  # 64-row block of the (head, batch) slice
+        sO_wg = sO[None, None, wg]
+        rows_left = seqlen_q - slot * 64
+        if const_expr(self.varlen):
+            if rows_left >= 64:
+                if tidx % 128 < 32:
+                    gO = cute.local_tile(cute.domain_offset((offset_q, 0), mO[None, None, head_idx, 0]),
+                                         (64, Dv), (slot, 0))
+                    self.tma_store_slice(tma_atom_O, sO_wg, gO)
+            elif rows_left > 0:
+                tiled = self.o_store_tiled_copy(per_wg=True)
+                thr = tiled.get_slice(tidx % 128)
+                gO = cute.local_tile(cute.domain_offset((offset_q, 0), vl[4][None, None, head_idx, 0]),
+                                     (64, Dv), (slot, 0))
+                self.copy_rows(tiled, thr, sO_wg, gO, rows_left, 64)
+        elif rows_left > 0:
+            if tidx % 128 < 32:
+                gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (64, Dv), (slot, 0))
+                self.tma_store_slice(tma_atom_O, sO_wg, gO)
+
+    @cute.jit
+    def tma_store_slice(self, tma_atom_O, s, g):
+        tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
+                                           cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
+        cute.copy(tma_atom_O, tOsO, tOgO)
+        cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def copy_rows(self, tiled, thr, s, g, rows_left, rows: cutlass.Constexpr):
+        """Rows [0, rows_left) of the (rows, Dv) shared-memory tile s to g, 16 bytes per thread
+        and vector."""
+        tOsO = thr.partition_S(s)
+        tOgO = thr.partition_D(g)
+        tOcO = thr.partition_S(cute.make_identity_tensor((rows, self.head_dim_v)))
+        tOrO = cute.make_fragment_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if tOcO[0, m, 0][0] < rows_left:
+                cute.copy(tiled, tOrO[None, m, None], tOgO[None, m, None])
 
     @cute.jit
     def store_O_rows(self, sO, mO, offset_q, head_idx, m_block, rows_left, tidx):
@@ -1098,14 +1177,7 @@ class FlashFwdSm90:
         thr = tiled.get_slice(tidx)
         gO = cute.local_tile(cute.domain_offset((offset_q, 0), mO[None, None, head_idx, 0]),
                              (BM, Dv), (m_block, 0))
-        tOsO = thr.partition_S(sO)
-        tOgO = thr.partition_D(gO)
-        tOcO = thr.partition_S(cute.make_identity_tensor((BM, Dv)))
-        tOrO = cute.make_fragment_like(tOsO, self.dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-            if tOcO[0, m, 0][0] < rows_left:
-                cute.copy(tiled, tOrO[None, m, None], tOgO[None, m, None])
+        self.copy_rows(tiled, thr, sO, gO, rows_left, BM)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
