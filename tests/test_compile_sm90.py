@@ -506,7 +506,7 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert FastSm90Forward.config(_spec(64, True))[0] == 128
     # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile past 4096 keys
     assert FastSm90Forward.config(_spec(64, True))[5] is True
-    assert FastSm90Forward.config(_spec(128, True, sq=8192, sk=8192))[5] is False
+    assert FastSm90Forward.config(_spec(128, True, sq=32768, sk=32768))[5] is False
     # causal from 4k queries: 3 warpgroups too; with 4 stages on the persistent grid (paired
     # order) below 16k queries, one CTA per tile and 3 stages from there
     mid_causal = _spec(64, True, sq=8192, sk=8192)
@@ -609,20 +609,25 @@ def test_pack_gqa_kernels_compile_with_a_5d_q_box(d, hq, hkv, causal, window):
 @pytest.mark.compile_only
 def test_short_masked_tiles_run_the_persistent_grid():
     """Causal / windowed calls at D <= 128 whose longest tile visits at most PERSISTENT_MAX_TILE_KEYS (4096) keys take the
-    persistent grid (H100 A/B in FastSm90Forward's _short_masked_tiles); longer causal ones,
-    hd256, key ranges and CSRs with key ranges keep one CTA per tile."""
-    from dualattn.fast.sm90 import PERSISTENT_MAX_TILE_KEYS
+    persistent grid (H100 A/B in FastSm90Forward's _short_masked_tiles), and so do plain causal
+    calls at D = 128 up to 16k keys and at D = 256 up to 2k keys (PERSISTENT_MAX_CAUSAL_KEYS);
+    longer causal ones, hd192, key ranges and CSRs with key ranges keep one CTA per tile."""
+    from dualattn.fast.sm90 import PERSISTENT_MAX_CAUSAL_KEYS, PERSISTENT_MAX_TILE_KEYS
     from dualattn.sparse import BlockSparse
 
     def persistent(spec):
         return FastSm90Forward.config(spec)[5]
-    assert persistent(_spec(128, True, sq=2048, sk=PERSISTENT_MAX_TILE_KEYS))
-    assert not persistent(_spec(128, True, sq=2048, sk=PERSISTENT_MAX_TILE_KEYS + 1))
+    assert persistent(_spec(96, True, sq=2048, sk=PERSISTENT_MAX_TILE_KEYS))
+    assert not persistent(_spec(96, True, sq=2048, sk=PERSISTENT_MAX_TILE_KEYS + 1))
+    for d, keys in PERSISTENT_MAX_CAUSAL_KEYS.items():
+        assert persistent(_spec(d, True, sq=2048, sk=keys)) and FastSm90Forward.paired(_spec(d, True, sq=2048, sk=keys))
+        assert not persistent(_spec(d, True, sq=2048, sk=keys + 1))
     assert persistent(_spec(96, True, sq=512, sk=512))
-    assert not persistent(_spec(256, True, sq=512, sk=512)) and not persistent(_spec(192, True, sq=512, sk=512))
+    assert not persistent(_spec(192, True, sq=512, sk=512))
     # a window bounded on both sides: its span, not Sk, bounds a tile's keys
     assert persistent(_spec(128, True, sq=16384, sk=16384, window=(1024, 0)))
     assert not persistent(_spec(128, True, sq=16384, sk=16384, window=(4096, 0)))
+    assert not persistent(_spec(256, True, sq=512, sk=512, window=(64, 0)))  # hd256: plain causal only
     assert not persistent(_spec(128, False, sq=16384, sk=16384, window=(-1, 0)))  # right bound alone
     assert persistent(_spec(128, False, sq=16384, sk=16384, window=(1000, 1000)))
     bs = BlockSparse.from_key_ranges(None, 1000, 1000, 128, 128, causal=True)
@@ -642,7 +647,7 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     hd128 = _spec(128, False, sq=8192, sk=8192)
     assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
     assert FORWARD.compile_key(hd128, 90)[-7] == 2
-    assert FastSm90Forward.q_stages(_spec(128, True, sq=8192, sk=8192)) == 1  # one CTA per tile
+    assert FastSm90Forward.q_stages(_spec(128, True, sq=32768, sk=32768)) == 1  # one CTA per tile
     assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
     kern = FORWARD.make_kernel(hd128)
     assert kern.q_stages == 2 and kern.smem_bytes <= 227 * 1024
@@ -659,7 +664,8 @@ def test_o_rescale_placement_rule():
     before, thr = FastSm90Forward.rescale_before_pv, FastSm90Forward.rescale_threshold
     assert before(_spec(128, False, sq=8192, sk=8192)) and thr(_spec(128, False, sq=8192, sk=8192)) == 0.0
     assert before(_spec(128, True, sq=2048, sk=2048))                 # short causal: persistent
-    assert not before(_spec(128, True, sq=16384, sk=16384))           # one CTA per tile
+    assert before(_spec(128, True, sq=16384, sk=16384))               # causal to 16k: persistent
+    assert not before(_spec(128, True, sq=32768, sk=32768))           # one CTA per tile
     assert not before(_spec(64, False, sq=8192, sk=8192)) and not before(_spec(192, False, sq=8192, sk=8192, dv=128))
     assert not before(_spec(256, False, sq=8192, sk=8192)) and thr(_spec(256, False, sq=8192, sk=8192)) == 8.0
     kern = FORWARD.make_kernel(_spec(128, False, sq=8192, sk=8192))

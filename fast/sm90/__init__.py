@@ -89,10 +89,14 @@ def _plain_hd64(spec) -> bool:
 
 
 PERSISTENT_MAX_TILE_KEYS = 4096  # see _short_masked_tiles
+# plain causal (no window) keys up to which hd128 / hd256 tiles run on the persistent grid
+PERSISTENT_MAX_CAUSAL_KEYS = {128: 16384, 256: 2048}
 
 
 def _short_masked_tiles(spec) -> bool:
-    """Causal / windowed calls at D <= 128, without key ranges or a CSR, whose longest query
+    """Plain causal calls at D = 128 up to 16k keys and at D = 256 up to 2k keys (see
+    PERSISTENT_MAX_CAUSAL_KEYS), and other causal / windowed calls at D <= 128, without key
+    ranges or a CSR, whose longest query
     tile visits at most PERSISTENT_MAX_TILE_KEYS keys (Sk, or the window's span): their tiles
     are short, so the persistent grid's overlap of one tile's epilogue with the next one's loads
     is worth more than the balance one CTA per tile gives uneven tiles. H100, bf16, one process,
@@ -104,7 +108,17 @@ def _short_masked_tiles(spec) -> bool:
     tiles in pairs of equal work (FastSm90Forward.paired; 2026-11-24, H100, same script, per-tile
     -> persistent): hd128 causal 4k 612 -> 641, 8k 611 -> 614, 16k 656 -> 638; GQA causal 8k
     610 -> 625; hd256 causal 8k / 16k 0.92 / 0.95x: the bound moved from 2560 to 4096 keys."""
-    if spec.head_dim > 128 or spec.has_key_ranges or spec.has_block_sparse:
+    if spec.has_key_ranges or spec.has_block_sparse:
+        return False
+    if spec.causal and spec.window == (-1, -1) and spec.head_dim == spec.head_dim_v \
+            and spec.head_dim in PERSISTENT_MAX_CAUSAL_KEYS:
+        # 2026-11-25 (second session; pairs, two Q buffers and one epilogue per warpgroup at
+        # hd128), H100, bf16, ci/sm90_grid_ab.py persistent, two runs, time ratio one CTA per
+        # tile / persistent: hd128 causal 8k 1.001 / 1.005, 16k 1.010 / 1.017, GQA 32/8 causal
+        # 8k 1.037 / 1.050; hd256 causal 512 1.047 / 1.051, 1k 1.029 / 1.028, 2k 1.009 / 1.008,
+        # but 4k 0.988 / 1.022, 8k 1.017 / 0.991, 16k 0.977 / 1.001
+        return spec.seqlen_k <= PERSISTENT_MAX_CAUSAL_KEYS[spec.head_dim]
+    if spec.head_dim > 128:
         return False
     left, right = spec.window
     if not (spec.causal or right >= 0 or left >= 0):
