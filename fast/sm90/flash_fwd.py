@@ -937,9 +937,10 @@ class FlashFwdSm90:
                                 mLSE[row, head_idx, batch_idx] = lse[r]
 
                 # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
-                # done. Separate: free once the previous tile's store has read it; warp 0, which
-                # issued that store, waits for it here, a whole tile after issuing it (varlen
-                # partial tiles: every thread's own shared-memory reads are complete already).
+                # done. Separate: free once the previous tile's store has read it; the warp that
+                # issued that store (warp 0 of the consumers, or with wg_epilogue of this
+                # warpgroup) waits for it here, a whole tile after issuing it (varlen partial
+                # tiles: every thread's own shared-memory reads are complete already).
                 if const_expr(self.separate_o):
                     if tidx % epi_threads < 32:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
