@@ -1094,11 +1094,9 @@ class FlashFwdSm90:
         warpgroup's 128) as (rows, tpr), row-major, 16 bytes (one vector) per thread and step; the
         copy repeats over the rest of the (tile_m, Dv) tile (per_wg: (64, Dv)). Called while
         tracing (also by the CPU test of the mapping)."""
-        if per_wg:
-            rows, tpr = o_store_threads(self.head_dim_v, self.dtype.width, 64, self.num_threads_per_wg)
-        else:
-            rows, tpr = o_store_threads(self.head_dim_v, self.dtype.width, self.tile_m,
-                                        self.num_threads_per_wg * self.num_mma_wg)
+        wgs = 1 if per_wg else self.num_mma_wg
+        rows, tpr = o_store_threads(self.head_dim_v, self.dtype.width, 64 * wgs,
+                                    self.num_threads_per_wg * wgs)
         atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         return cute.make_tiled_copy_tv(
             atom, cute.make_ordered_layout((rows, tpr), order=(1, 0)),
