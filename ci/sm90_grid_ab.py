@@ -9,10 +9,15 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py rescale_before_pv [64,128]   # O rescaled while the next Q K^T
                                            # runs against after the P V wait, on those head dims
     python ci/sm90_grid_ab.py wg_epilogue  # per-warpgroup epilogues against one for all warpgroups
+    python ci/sm90_grid_ab.py stream_k     # the last rounds cut along the keys against uncut, on
+                                           # the non-causal dense / GQA cells and shapes of whole rounds
     python ci/sm90_grid_ab.py varlen_sections   # varlen causal tiles in L2 sections against
                                                 # heaviest first across all, on packed documents
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
+
+DUALATTN_AB_GRAPH=1 times CUDA-graph replays (each variant captured once, the replays interleaved,
+five rounds): the kernels alone, without either variant's host path.
 
 The figures behind fast/sm90's _short_masked_tiles, FastSm90Forward.q_stages and .paired came from it.
 """
@@ -26,12 +31,14 @@ import torch
 import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
 
+GRAPH = os.environ.get("DUALATTN_AB_GRAPH", "") == "1"
 KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer"),
          "paired": ("_PAIRED_ENV", "0", "heaviest first"),
          "varlen_sections": ("_VARLEN_SECTIONS_ENV", "0", "across all"),
          "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold"),  # value: the second argument
          "rescale_before_pv": ("", "1", "rescale before P V"),
-         "wg_epilogue": ("_WG_EPILOGUE_ENV", "0", "one epilogue")}
+         "wg_epilogue": ("_WG_EPILOGUE_ENV", "0", "one epilogue"),
+         "stream_k": ("_STREAM_K_ENV", "0", "no cuts")}
 
 
 def _set_tiles(_module, _attr, value):
@@ -60,6 +67,9 @@ def main(knob: str, tiles: str = ""):
     if knob == "persistent":
         cells += B.filter_cells(fwd, groups=["dense"], head_dims=[128, 256], causal=True)
         cells += B.filter_cells(fwd, groups=["gqa"], causal=True)
+    elif knob == "stream_k":  # every non-causal cell; whole rounds on 132 SMs (nothing cut: noise)
+        cells = B.filter_cells(fwd, groups=["dense", "gqa"], causal=False)
+        cells += [B.Cell("fwd", "dense", 2, 8448, 8448, 16, 16, 128), B.Cell("fwd", "dense", 2, 7936, 7936, 8, 8, 256)]
     elif knob == "tiles":
         cells = B.filter_cells(fwd, groups=["dense"], head_dims=[int(tiles.split(":")[0])])
     elif knob == "paired":
@@ -89,12 +99,24 @@ def main(knob: str, tiles: str = ""):
         flops = B.work(cell)[0]
         for csr in ([False, True] if B.has_csr_form(cell) and knob not in ("varlen_sections", "paired") else [False]):
             ms = {"": [], value: []}
-            for _ in range(3):
+            graphs = {}
+            if GRAPH:  # captured with the knob set; a replay no longer reads it
                 for mode in ("", value):
                     set_knob(sm90, attr, mode)
                     impl._entries.clear()
                     r = B.dualattn_runner(impl, inp, csr)
+                    r.fn()
+                    graphs[mode] = B.cuda_graph_replay(r.fn)
+            for _ in range(5 if GRAPH else 3):
+                for mode in ("", value):
+                    if GRAPH:
+                        ms[mode].append(timer.time_ms(graphs[mode])[0])
+                        continue
+                    set_knob(sm90, attr, mode)
+                    impl._entries.clear()
+                    r = B.dualattn_runner(impl, inp, csr)
                     ms[mode].append(timer.time_ms(r.fn)[0])
+            del graphs
             a, b = statistics.median(ms[""]), statistics.median(ms[value])
             name = f"{cell.label()}{' +csr' if csr else ''}"
             print(f"{name:60s} default {flops / a / 1e9:7.1f}  {label} {flops / b / 1e9:7.1f} TFLOP/s  "

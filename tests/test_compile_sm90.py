@@ -114,6 +114,27 @@ def test_window_and_softcap_configs_compile(kw):
         assert ptx.count("ex2.approx") > plain.__ptx__.count("ex2.approx")
 
 
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_stream_k_merge_only_in_equal_work_configs(d):
+    """Non-causal batched configs carry the stream-K merge (gpu-scope atomics on the counters,
+    release / acquire around the workspace, gpu-scope fences); causal and windowed configs carry
+    none of it, and their argument schema has no stream-K fields."""
+    plain, causal, window = _spec(d), _spec(d, causal=True), _spec(d, window=(100, 100))
+    assert FastSm90Forward.stream_k(plain) and not FastSm90Forward.stream_k(causal)
+    assert not FastSm90Forward.stream_k(window)
+    ptx = FastSm90Forward().compile_only(plain, arch=90).__ptx__
+    atoms = [ln.strip() for ln in ptx.splitlines() if "atom." in ln]
+    # (atom's default scope is .gpu)
+    assert any(".release." in a and ".add." in a for a in atoms), atoms
+    assert any(".acquire." in a for a in atoms) and "fence.acq_rel.gpu" in ptx, atoms
+    for other in (causal, window):
+        assert "atom." not in FastSm90Forward().compile_only(other, arch=90).__ptx__
+        assert "sk_workspace" not in FastSm90Forward.arg_schema(other).names
+    assert "sk_workspace" in FastSm90Forward.arg_schema(plain).names
+
+
 @pytest.mark.parametrize("kw,word", [
     (dict(needs_grad=True), "backward"),
     (dict(num_key_ranges=5), "key ranges"),

@@ -96,6 +96,20 @@ _case("packgqa", 2, 64, 300, 8, 1, 256, "float16")
 _case("packgqa", 1, 7, 1, 4, 2, 96, "float16")
 _case("packgqa", 2, 20, 400, 8, 2, 128, softcap=10.0)
 _case("packgqa", 1, 40, 300, 8, 2, 192, dv=128)
+# stream-K tail (tile_order.stream_k_tiles): the last two rounds of the persistent grid cut along
+# the keys and merged. num_sms sizes the grid (DUALATTN_SM90_NUM_SMS), and the minimum of keys per
+# cut tile is lifted for those cases, so that small shapes cut tiles: tails masked inside a piece, GQA, packed GQA, 3 warpgroups, one epilogue group (D > 128),
+# a grid of one round and a half (every tile cut), and one case cut on the real SM count (H100).
+_case("streamk", 2, 1000, 1000, 4, 4, 128, num_sms=40)
+_case("streamk", 2, 203, 517, 6, 2, 128, num_sms=5)
+_case("streamk", 1, 1000, 700, 4, 2, 64, num_sms=20)        # 3 warpgroups
+_case("streamk", 2, 1000, 1000, 4, 2, 256, num_sms=24)      # one epilogue for both warpgroups
+_case("streamk", 2, 300, 999, 4, 2, 192, num_sms=7, dv=128)
+_case("streamk", 2, 333, 1111, 4, 4, 96, "float16", num_sms=5)
+_case("streamk", 2, 16, 1000, 32, 8, 128, num_sms=6)        # packed GQA rows
+_case("streamk", 1, 500, 640, 6, 3, 128, num_sms=16, softcap=15.0)
+_case("streamk", 1, 4096, 4096, 5, 5, 128)                  # 160 tiles on 132 SMs
+_case("streamk-off", 2, 1000, 1000, 4, 4, 128, num_sms=40, stream_k="0")
 # non-contiguous q / k / v (strides reach the kernel as runtime values)
 _case("strided", 2, 300, 517, 4, 2, 128, "bfloat16", False, strided=True)
 _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
@@ -414,11 +428,17 @@ def _run_worker(out_path: str, group: str) -> None:
         for name, B, Sq, Sk, Hq, Hkv, D, dtype, causal, persistent, kw in CASES:
             if not _in_group(name, group):
                 continue
+            kw = dict(kw)
             sm90._PERSISTENT_ENV = persistent or ""
+            sm90._NUM_SMS_ENV = str(kw.pop("num_sms", ""))
+            sm90._STREAM_K_MIN_KEYS_ENV = "0" if sm90._NUM_SMS_ENV else ""
+            sm90._STREAM_K_ENV = kw.pop("stream_k", "")
+            # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
+            # an earlier case with the same spec but other knobs
+            sm90.FORWARD._entries.clear()
             dt = getattr(torch, dtype)
             rec = {"name": name}
             try:
-                kw = dict(kw)
                 Dv = kw.pop("dv", D)
                 if kw.pop("strided", False):
                     # strided views (a slice of a wider q, k and v interleaved in one buffer):
@@ -433,8 +453,13 @@ def _run_worker(out_path: str, group: str) -> None:
                 call = build_dense(q, k, v, causal=causal, return_lse=True, **kw)
                 impl = select(call.spec, "fast")
                 rec["impl"] = impl.name
+                # tiles the launch cuts along the keys (stream-K); the streamk cases must cut some
+                rec["sk_tiles"] = (impl.stream_k_count(call.spec, q, k, q.device)
+                                   if impl.name == "fast-sm90" and impl.stream_k(call.spec) else 0)
                 outs = []
-                for _ in range(2):
+                # stream-K: which of a cut tile's two pieces merges is a race, decided anew each
+                # run: more runs, all bitwise equal
+                for _ in range(8 if rec["sk_tiles"] else 2):
                     call.extra["out"] = torch.full((B, Sq, Hq, Dv), float("nan"), device="cuda", dtype=dt)
                     call.extra["lse"] = torch.full((B, Hq, Sq), float("nan"), device="cuda")
                     o, lse = impl.forward(call)
@@ -443,13 +468,14 @@ def _run_worker(out_path: str, group: str) -> None:
                 checks = check_outputs(call, outs[0][0], outs[0][1])
                 rec["checks"] = [str(c) for c in checks]
                 rec["ok"] = all(c.ok for c in checks)
-                rec["bitwise"] = bool(torch.equal(outs[0][0], outs[1][0])
-                                      and torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num()))
+                rec["bitwise"] = all(torch.equal(outs[0][0], o) and torch.equal(outs[0][1].nan_to_num(), lse.nan_to_num())
+                                     for o, lse in outs[1:])
             except Exception as e:  # reported per case; the next case still runs
                 rec["error"] = f"{type(e).__name__}: {e}"
             f.write(json.dumps(rec) + "\n")
             f.flush()
-        sm90._PERSISTENT_ENV = ""
+        sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
+        sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
             if _in_group(case[0], group):
                 _run_varlen_case(f, *case)
@@ -523,6 +549,10 @@ def test_forward_matches_oracle(results, case):
     assert r["impl"] == "fast-sm90", f"dispatcher picked {r['impl']}"
     assert r["ok"], "; ".join(r["checks"])
     assert r["bitwise"], "two runs gave different bits"
+    if name.startswith("streamk-") != name.startswith("streamk-off"):
+        assert r["sk_tiles"] > 0, "no tile was cut: the stream-K path did not run"
+    if name.startswith("streamk-off"):
+        assert r["sk_tiles"] == 0
 
 
 def _run_overhead_worker(out_path: str) -> None:

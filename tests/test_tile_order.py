@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from dualattn.fast.common.tile_order import (heads_per_section, heavy_first_in_sections, paired_tile, paired_units,
-                                              varlen_paired_tile, varlen_paired_units)
+from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_PER_CTA, heads_per_section,
+                                              heavy_first_in_sections, paired_tile, paired_units,
+                                              stream_k_piece, stream_k_tiles, varlen_paired_tile,
+                                              varlen_paired_units)
 
 
 @pytest.mark.parametrize("num_m_blocks, num_bh, section", [
@@ -144,3 +146,53 @@ def test_varlen_paired_order_balances_the_bench_documents():
         if m < tiles[rest // heads]:
             strided[t % sms] += overhead + m + 1
     assert max(work) < max(strided)
+
+
+def _stream_k_schedule(num_tiles, num_ctas, blocks):
+    """Per CTA: its work in key blocks (uncut tiles first, then its pieces), as the kernel walks
+    it (FlashFwdSm90.item_coords), and a count of the pieces that cover each (tile, key block)."""
+    sk = stream_k_tiles(num_tiles, num_ctas, blocks, 128, min_keys=0)
+    dp_end = num_tiles - sk
+    assert dp_end % num_ctas == 0  # the uncut tiles are whole rounds: the slots stay aligned
+    cover, pieces, work = {}, {}, []
+    for c in range(num_ctas):
+        w = 0
+        for t in range(c, dp_end, num_ctas):
+            for k in range(blocks):
+                cover[(t, k)] = cover.get((t, k), 0) + 1
+            w += blocks
+        for p in range(STREAM_K_PIECES_PER_CTA if sk else 0):
+            t, start, end, valid = stream_k_piece(c, p, num_ctas, sk, blocks, max, min)
+            if not valid:
+                continue
+            assert 0 <= start < end <= blocks and t < sk
+            pieces[t] = pieces.get(t, 0) + 1
+            for k in range(start, end):
+                cover[(dp_end + t, k)] = cover.get((dp_end + t, k), 0) + 1
+            w += end - start
+        work.append(w)
+    return sk, cover, pieces, work
+
+
+@pytest.mark.parametrize("num_tiles, num_ctas, blocks", [
+    (2048, 132, 64), (2048, 132, 32), (1024, 132, 128), (2752, 132, 86), (160, 132, 32), (8, 5, 7),
+    (24, 5, 5), (24, 16, 8), (7, 5, 4), (3000, 114, 9), (2048, 132, 1)])
+def test_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_once(num_tiles, num_ctas, blocks):
+    sk, cover, pieces, work = _stream_k_schedule(num_tiles, num_ctas, blocks)
+    assert sk > 0
+    assert len(cover) == num_tiles * blocks and set(cover.values()) == {1}
+    assert max(pieces.values()) <= 2  # a cut tile has two pieces: one merge, by whichever is second
+    # the busiest CTA carries the average work up to a key block (uncut: a whole extra tile)
+    assert max(work) <= -(-num_tiles * blocks // num_ctas)
+    if blocks > 1:  # (one key block per tile: nothing finer than a tile to share out)
+        assert max(work) < -(-num_tiles // num_ctas) * blocks
+
+
+def test_stream_k_cuts_only_where_the_last_round_idles():
+    assert stream_k_tiles(2048, 132, 64, 128) == 200      # 15.5 rounds: the last two are cut
+    assert stream_k_tiles(2112, 132, 64, 128) == 0        # whole rounds
+    assert stream_k_tiles(100, 132, 64, 128) == 0         # one round, not full: nothing to gain
+    assert stream_k_tiles(132 * 16 + 130, 132, 64, 128) == 0  # 2 of 132 SMs idle: under 1/8
+    assert stream_k_tiles(2048, 132, 16, 128) == 0        # 2k keys: under STREAM_K_MIN_KEYS
+    assert stream_k_tiles(2048, 132, 16, 128, min_keys=0) == 200
+    assert STREAM_K_MIN_KEYS == 4096

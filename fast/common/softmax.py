@@ -9,6 +9,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -72,3 +74,15 @@ def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Flo
             lse_r = (row_max[r] * scale_log2 + cute.math.log2(total, fastmath=True)) * LN_2
         acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
         lse[r] = lse_r
+
+
+@dsl_user_op
+def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """a * b rounded on its own (PTX ``mul.rn``: never fused into an FMA by the compiler or ptxas).
+    Merging two online-softmax states as mul_rn(x, cx) + mul_rn(y, cy) then gives the same bits
+    whichever state is x: the sum of two rounded products commutes, an FMA of one product into
+    the other does not."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+        "mul.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT))

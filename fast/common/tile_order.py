@@ -111,3 +111,57 @@ def varlen_paired_tile(tile, num_ctas, tiles_per_sequence, num_heads):
             return m_block, seq, head, valid
         first += count
     return 0, len(tiles_per_sequence), 0, False
+
+
+# -- stream-K tail: the grid's last, partly filled round split along the keys -----------------
+#
+# A persistent grid of G CTAs walking T equal tiles with a stride finishes in ceil(T / G) rounds;
+# with T % G = R > 0 the last round leaves G - R SMs idle. The bench's 16k-token hd128 cells have
+# T = 2048 = 15.5 x 132 tiles: H100, bf16, non-causal, kernels against kernels (ci/wave_probe.py),
+# fast-sm90 ran 713 TFLOP/s at 2048 tiles against 739 / 736 at 1980 / 2112 (whole rounds), and
+# cuDNN 679 against 694 / 692. So the last round and the one before it (G + R tiles) are cut
+# along the keys instead: CTA c takes key blocks [c U / G, (c + 1) U / G) of their
+# U = (G + R) * blocks, at least one whole tile's worth, so no tile is cut more than once. A cut
+# tile's two pieces meet in the kernel (FlashFwdSm90.stream_k_merge): the one that finishes
+# second combines both online-softmax states and stores the tile.
+
+# Keys a tile must visit to be cut. Each piece pays a tile start and the merge (its O, row maxima
+# and sums through L2), which short tiles do not earn back. H100, bf16, CUDA-graph replays
+# interleaved (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py stream_k), time cut / uncut:
+#   hd64  512 / 1k / 2k / 4k / 8k / 16k: 1.016 / 1.001 / 0.972 / 0.969 / 0.997 / 0.997
+#   hd128 same lengths: 1.051 / 1.025 / 1.000 / 0.996 / 1.000 / 0.975; GQA 32/8 2k / 8k 0.980 / 0.981
+#   hd256 same lengths: 1.119 / 1.052 / 1.012 / 0.990 / 0.971 / 0.965; hd256 7936 (992 tiles) 0.952
+# (a shape of whole rounds, which cuts nothing, moved by 1 %: the noise).
+STREAM_K_MIN_KEYS = 4096
+
+
+def stream_k_tiles(num_tiles, num_ctas, blocks_per_tile, tile_n, min_keys=STREAM_K_MIN_KEYS):
+    """Tiles at the end of the order that run cut along the keys: G + R, or 0 where no round is
+    partly filled, the grid has a single round, the idle share of the last round is under 1/8,
+    or the tiles visit fewer than ``min_keys`` keys. Host-side (the launch passes it; the
+    kernel obeys)."""
+    rem = num_tiles % num_ctas
+    if (num_tiles <= num_ctas or rem == 0 or (num_ctas - rem) * 8 < num_ctas
+            or blocks_per_tile * tile_n < min_keys):
+        return 0
+    return num_ctas + rem
+
+
+STREAM_K_PIECES_PER_CTA = 3  # a CTA's key range spans parts of at most three tiles
+
+
+def stream_k_piece(cta, piece, num_ctas, sk_tiles, blocks_per_tile, maximum, minimum):
+    """(tile, first key block, end key block, valid) of piece ``piece`` (0, 1, 2) of CTA ``cta``'s
+    share of the cut tiles (tile numbered within them, 0 .. sk_tiles - 1). The share is
+    [c U / G, (c + 1) U / G) of the U = sk_tiles * blocks_per_tile key blocks; since
+    sk_tiles >= G it holds at least blocks_per_tile of them, so a tile meets at most two shares
+    (one cut). Plain integer arithmetic (``maximum`` / ``minimum``: max / min, or cutlass.max /
+    cutlass.min when the kernel traces it with Int32 operands)."""
+    units = sk_tiles * blocks_per_tile
+    lo = cta * units // num_ctas
+    hi = (cta + 1) * units // num_ctas
+    tile = lo // blocks_per_tile + piece
+    first = tile * blocks_per_tile
+    start = maximum(lo - first, 0)
+    end = minimum(hi - first, blocks_per_tile)
+    return tile, start, end, first < hi

@@ -29,7 +29,7 @@ import torch
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
-from dualattn.fast.common.tile_order import L2_SECTION_BYTES
+from dualattn.fast.common.tile_order import L2_SECTION_BYTES, STREAM_K_MIN_KEYS, stream_k_tiles
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -50,6 +50,11 @@ _VARLEN_SECTIONS_ENV = os.environ.get("DUALATTN_SM90_VARLEN_SECTIONS", "")  # se
 _RESCALE_THRESHOLD_ENV = os.environ.get("DUALATTN_SM90_RESCALE_THRESHOLD", "")  # see .rescale_threshold
 _RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  # see .rescale_before_pv
 _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm90Forward.wg_epilogue
+_STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
+# keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
+_STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
+# the SM count the persistent grid is sized by (tests: a small grid makes cut tiles at small shapes)
+_NUM_SMS_ENV = os.environ.get("DUALATTN_SM90_NUM_SMS", "")
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -221,6 +226,8 @@ _NUM_SMS = {}
 
 
 def _num_sms(device) -> int:
+    if _NUM_SMS_ENV:
+        return int(_NUM_SMS_ENV)
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
@@ -234,6 +241,7 @@ class FastSm90Forward:
     def __init__(self) -> None:
         self.cache = CompileCache()
         self._entries = {}
+        self._sk_counters = {}  # (device, stream) -> int32 zeros (stream_k_buffers)
 
     # -- what it serves ------------------------------------------------------------------------
     def can_implement(self, spec) -> Optional[str]:
@@ -353,8 +361,8 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec),
                 self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
-                self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
-                arch_string(arch))
+                self.rescale_threshold(spec), self.rescale_before_pv(spec), self.stream_k(spec),
+                L2_SECTION_BYTES, arch_string(arch))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -433,6 +441,52 @@ class FastSm90Forward:
         separate_o = cls.config(spec)[6]
         return separate_o and 64 % cls.pack_gqa(spec) == 0 and _WG_EPILOGUE_ENV != "0"
 
+    @classmethod
+    def stream_k(cls, spec) -> bool:
+        """The persistent grid's last, partly filled round cut along the keys (stream-K tail,
+        fast/common/tile_order.stream_k_tiles; the launch decides per call how many tiles, 0
+        for none): its idle SMs were 3 % of the time at the bench's 16k-token hd128 cells
+        (2048 tiles on 132 SMs). Tiles of equal work only: non-causal batched calls without
+        windows, key ranges or a CSR. DUALATTN_SM90_STREAM_K=0 turns it off (comparisons)."""
+        return (cls.config(spec)[5] and not spec.causal and spec.window == (-1, -1)
+                and spec.mode == "batched" and not spec.has_key_ranges and not spec.has_block_sparse
+                and _STREAM_K_ENV != "0")
+
+    def stream_k_count(self, spec, q, k, device) -> int:
+        """Tiles of a stream-K call cut along the keys (tile_order.stream_k_tiles), 0 for none."""
+        tile_m, tile_n = self.config(spec)[:2]
+        g = self.pack_gqa(spec)
+        B, Sq, Hq, _ = q.shape
+        tiles = B * (Hq // g) * -(-(g * Sq) // tile_m)
+        min_keys = int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
+        return stream_k_tiles(tiles, min(tiles, _num_sms(device)), -(-k.shape[1] // tile_n), tile_n,
+                              min_keys)
+
+    def stream_k_buffers(self, spec, q, k, device):
+        """(number of cut tiles, fp32 workspace, int32 counters) of a stream-K call, or None
+        where no tile is cut. The workspace holds one record per cut tile and epilogue group
+        (Dv / 2 + 4 values per consumer thread; FlashFwdSm90.stream_k_merge), from the caching
+        allocator per call. The counters start at zero and the kernel leaves them at zero, so
+        they are kept per (device, stream) and reused (streams never share them); during a CUDA
+        graph capture they are made zero in the graph instead (a memset node)."""
+        sk_tiles = self.stream_k_count(spec, q, k, device)
+        if sk_tiles == 0:
+            return None
+        tile_m = self.config(spec)[0]
+        consumers = 128 * (tile_m // 64)
+        ws = torch.empty(sk_tiles * consumers * (spec.head_dim_v // 2 + 4), dtype=torch.float32,
+                         device=device)
+        n_counters = sk_tiles * (tile_m // 64)
+        if torch.cuda.is_current_stream_capturing():
+            counters = torch.zeros(n_counters, dtype=torch.int32, device=device)
+        else:
+            key = (device.index, current_stream_handle(device))
+            counters = self._sk_counters.get(key)
+            if counters is None or counters.numel() < n_counters:
+                counters = torch.zeros(max(n_counters, 1024), dtype=torch.int32, device=device)
+                self._sk_counters[key] = counters
+        return sk_tiles, ws, counters
+
     @staticmethod
     def varlen_sections(spec) -> bool:
         """Varlen causal / right-bounded tiles heaviest first within L2 sections of (sequence,
@@ -454,7 +508,7 @@ class FastSm90Forward:
                             block_sparse=spec.has_block_sparse, write_lse=self.writes_lse(spec),
                             num_mma_wg=tile_m // 64, pack_gqa=self.pack_gqa(spec), q_stages=self.q_stages(spec),
                             paired=self.paired(spec), varlen_sections=self.varlen_sections(spec),
-                            wg_epilogue=self.wg_epilogue(spec),
+                            wg_epilogue=self.wg_epilogue(spec), stream_k=self.stream_k(spec),
                             rescale_threshold=self.rescale_threshold(spec),
                             rescale_before_pv=self.rescale_before_pv(spec))
 
@@ -485,6 +539,9 @@ class FastSm90Forward:
                                                                  "bs_mask_rowptr", "bs_mask_col")]
             fields += [("bs_ratio_m", "i32"), ("bs_ratio_n", "i32")]
             fields += [(f"bs_{a}_s{m}", "i32") for a in ("frp", "fcol", "mrp", "mcol") for m in "bh"]
+        if FastSm90Forward.stream_k(spec):
+            fields += [("sk_workspace", ("ptr", cutlass.Float32, 16)), ("sk_counters", ("ptr", cutlass.Int32, 4)),
+                       ("sk_tiles", "i32")]
         return ArgSchema(fields)
 
     def compile_for(self, spec, arch: int, keep_ptx: bool = False):
@@ -653,6 +710,9 @@ class FastSm90Forward:
             return self._no_keys(out, lse, True)
         fn, pack, tail = self._entry(spec, q.device)
         feat = self.feature_values(call) if (spec.has_key_ranges or spec.has_block_sparse) else ()
+        if self.stream_k(spec):
+            sk = self.stream_k_buffers(spec, q, k, q.device)
+            feat = (0, 0, 0) if sk is None else (sk[1].data_ptr(), sk[2].data_ptr(), sk[0])
         _launch(fn, self.pack_args(pack, tail, q, k, v, out, lse, feat), q.device)
         return out, lse
 
@@ -675,9 +735,13 @@ class FastSm90Forward:
         B, Sq, Hq, _ = q.shape
         if B * Sq * Hq == 0 or k.shape[1] == 0:
             return None
+        if self.stream_k(spec) and self.stream_k_count(spec, q, k, q.device) > 0:
+            return None  # its workspace is per call: forward() does that
         fn, pack, tail = self._entry(spec, q.device)
-        # every field but the five pointers is packed once (pack is the schema's bound method)
-        bound = BoundLaunch(fn, pack.__self__, 5, (*self.shape_values(q, k, v), *tail))
+        # every field but the five pointers is packed once (pack is the schema's bound method);
+        # stream-K fields: no tile cut, no buffers
+        bound = BoundLaunch(fn, pack.__self__, 5, (*self.shape_values(q, k, v), *tail,
+                                                   *((0, 0, 0) if self.stream_k(spec) else ())))
         dv, device, lse_shape = spec.head_dim_v, q.device, ((B, Hq, Sq) if self.writes_lse(spec) else None)
 
         def run(q, k, v):

@@ -46,9 +46,11 @@ from cutlass.utils import LayoutEnum
 
 from cutlass import Boolean
 
+from dualattn.fast.common.softmax import mul_rn
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
-from dualattn.fast.common.tile_order import (heads_per_section, heavy_first_in_sections, pair_of_unit,
-                                              paired_slot, paired_tile, paired_units)
+from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
+                                              heavy_first_in_sections, pair_of_unit, paired_slot,
+                                              paired_tile, paired_units, stream_k_piece)
 from dualattn.fast.common.mask import (
     apply_key_ranges,
     block_inside_ranges,
@@ -162,7 +164,7 @@ class FlashFwdSm90:
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
-                 varlen_sections: bool = False, wg_epilogue: bool = False):
+                 varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False):
         self.dtype = dtype
         # intra-warpgroup overlap: O rescaled by the previous block's corrections while this
         # block's Q K^T runs, before its P V is issued, instead of after the P V wait
@@ -230,6 +232,13 @@ class FlashFwdSm90:
         # Needs O's own buffer (an aliased one is Q's, which both warpgroups read until the end)
         assert not wg_epilogue or (separate_o and 64 % pack_gqa == 0)
         self.wg_epilogue = wg_epilogue
+        # stream-K tail (fast/common/tile_order.stream_k_tiles): the persistent grid's last two
+        # rounds cut along the keys, a cut tile's two pieces merged by the one finishing second
+        # (stream_k_merge). Needs tiles of equal work: no causal / window bounds, key ranges,
+        # CSR or varlen; the launch passes how many tiles are cut (0: none)
+        assert not stream_k or (persistent and not (self.mask_right or self.mask_left or varlen
+                                                    or self.dynamic_mask or paired))
+        self.stream_k = stream_k
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
@@ -251,7 +260,7 @@ class FlashFwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: cute.Tensor, softmax_scale_log2: Float32, win_left: Int32,
                  win_right: Int32, softcap_scale: Float32, softcap_val: Float32, num_sms: Int32,
-                 stream, vl=None, kr=None, bs=None):
+                 stream, vl=None, kr=None, bs=None, sk=None):
         """mQ/mO (B, Sq, Hq, D[v]), mK/mV (B, Sk, Hkv, D[v]), mLSE (B, Hq, Sq) fp32.
 
         varlen: vl = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, num_batch); mQ/mO are
@@ -259,7 +268,8 @@ class FlashFwdSm90:
         key ranges: kr = (flat int32 key_ranges, batch stride, head stride);
         block-sparse: bs = (full rowptr, full col, mask rowptr, mask col (flat int32), ratio_m,
         ratio_n, then batch / head strides of full rowptr, full col, mask rowptr, mask col);
-        a stride of 0 broadcasts."""
+        a stride of 0 broadcasts. stream-K: sk = (fp32 workspace, int32 counters (zero, and left
+        zero), number of cut tiles), see stream_k_merge."""
         if const_expr(mQ.element_type != self.dtype or mK.element_type != self.dtype
                       or mV.element_type != self.dtype or mO.element_type != self.dtype):
             raise TypeError("q, k, v, o must all have the kernel's dtype")
@@ -320,6 +330,7 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sk_flag: cute.struct.MemRange[Int32, 4 if self.stream_k else 0]  # stream_k_merge
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_qo], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_o], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -352,6 +363,7 @@ class FlashFwdSm90:
             *((vl,) if const_expr(self.varlen) else ()),
             **({"kr": kr} if const_expr(self.num_key_ranges > 0) else {}),
             **({"bs": bs} if const_expr(self.block_sparse) else {}),
+            **({"sk": sk} if const_expr(self.stream_k) else {}),
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  smem=SharedStorage.size_in_bytes())
 
@@ -399,18 +411,22 @@ class FlashFwdSm90:
                       *self.feature_args(vals[25:]))
 
     def feature_args(self, vals):
-        """(kr, bs) of ``__call__`` from the packed fields after the scalars (see
+        """(kr, bs, sk) of ``__call__`` from the packed fields after the scalars (see
         FastSm90Forward.arg_schema): key-range pointer + 2 strides, then the 4 CSR pointers,
-        ratio_m, ratio_n and 8 strides."""
+        ratio_m, ratio_n and 8 strides, then the stream-K workspace and counter pointers and the
+        number of cut tiles."""
         flat = cute.make_layout(1 << 30)
-        kr = bs = None
+        kr = bs = sk = None
         i = 0
         if const_expr(self.num_key_ranges > 0):
             kr = (cute.make_tensor(vals[0], flat), vals[1], vals[2])
             i = 3
         if const_expr(self.block_sparse):
             bs = (*[cute.make_tensor(p, flat) for p in vals[i:i + 4]], *vals[i + 4:i + 14])
-        return kr, bs
+            i += 14
+        if const_expr(self.stream_k):
+            sk = (cute.make_tensor(vals[i], flat), cute.make_tensor(vals[i + 1], flat), vals[i + 2])
+        return kr, bs, sk
 
     @cute.jit
     def from_packed_varlen(self, args, stream):
@@ -457,7 +473,7 @@ class FlashFwdSm90:
                softcap_scale: Float32, softcap_val: Float32, sQ_layout: cute.ComposedLayout,
                sK_layout: cute.ComposedLayout, sV_layout: cute.ComposedLayout,
                sO_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma,
-               tiled_mma_pv: cute.TiledMma, vl=None, kr=None, bs=None):
+               tiled_mma_pv: cute.TiledMma, vl=None, kr=None, bs=None, sk=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -494,6 +510,7 @@ class FlashFwdSm90:
             sO = storage.sQ.get_tensor(sO_layout.outer, swizzle=sO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sk_flag = storage.sk_flag.get_tensor(cute.make_layout(4)) if const_expr(self.stream_k) else None
         # V^T view (Dv, BN, stages) for the B operand of O += P V
         sVt = cute.composition(
             sV, cute.make_ordered_layout((Dv, BN, self.num_stages), order=(1, 0, 2)))
@@ -502,12 +519,12 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                             pipe_q, pipe_k, pipe_v, win_left, win_right, vl, kr, bs)
+                             pipe_q, pipe_k, pipe_v, win_left, win_right, vl, kr, bs, sk)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                          tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128, win_left,
-                         win_right, softcap_scale, softcap_val, vl, kr, bs)
+                         win_right, softcap_scale, softcap_val, vl, kr, bs, sk, sk_flag)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -517,10 +534,14 @@ class FlashFwdSm90:
         return cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m) * cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
 
     @cute.jit
-    def num_slots(self, mQ, vl=None):
+    def num_slots(self, mQ, vl=None, sk=None):
         """Bound of the tile loop: the tiles, or with the paired order its slots (two per unit,
-        whole rounds of the grid; tile_order.paired_tile)."""
+        whole rounds of the grid; tile_order.paired_tile), or with cut tiles (stream-K) the
+        uncut ones and then STREAM_K_PIECES_PER_CTA slots per CTA (item_coords)."""
         n = self.num_tiles(mQ, vl)
+        if const_expr(self.stream_k):
+            if sk[2] > 0:
+                n = n - sk[2] + STREAM_K_PIECES_PER_CTA * cute.arch.grid_dim()[0]
         if const_expr(self.paired and self.varlen):
             gx = cute.arch.grid_dim()[0]
             units = self.varlen_unit_doc(Int32(1 << 30), vl, cute.size(mQ.shape[2]))[3]
@@ -531,6 +552,36 @@ class FlashFwdSm90:
                                  cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]))
             n = 2 * gx * cute.ceil_div(units, gx)
         return n
+
+    @cute.jit
+    def item_coords(self, tile, mQ, mK, win_left, win_right, vl=None, sk=None):
+        """tile_coords of loop slot ``tile``, then (cut, cut-tile number). Without
+        stream-K a slot is a tile (never cut). With it, the slots past the uncut tiles (a multiple
+        of the grid: they end one round before the last) are this CTA's pieces of the cut tiles
+        (tile_order.stream_k_piece): its key-block range [start, end) narrows the tile's; a piece
+        past the CTA's share is inactive."""
+        if const_expr(not self.stream_k):
+            return (*self.tile_coords(tile, mQ, mK, win_left, win_right, vl), Boolean(False), Int32(0))
+        sk_tiles = sk[2]
+        gx = cute.arch.grid_dim()[0]
+        dp_end = self.num_tiles(mQ, vl) - sk_tiles
+        n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        lin = tile
+        start = Int32(0)
+        end = n_blocks
+        valid = Boolean(True)
+        slot = Int32(0)
+        if sk_tiles > 0 and tile >= dp_end:
+            piece = (tile - dp_end) // gx
+            slot, start, end, valid = stream_k_piece(cute.arch.block_idx()[0], piece, gx, sk_tiles,
+                                                     n_blocks, cutlass.max, cutlass.min)
+            lin = dp_end + slot
+        (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
+         offset_k, active) = self.tile_coords(lin, mQ, mK, win_left, win_right, vl)
+        n_block_min = cutlass.max(n_block_min, start)
+        n_block_max = cutlass.min(n_block_max, end)
+        return (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k,
+                offset_q, offset_k, active & valid, (start > 0) | (end < n_blocks), slot)
 
     @cute.jit
     def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None):
@@ -689,15 +740,16 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None):
+                pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None, sk=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile, step = self.first_tile_and_step()
-        total = self.num_slots(mQ, vl)
+        total = self.num_slots(mQ, vl, sk)
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, _,
-             offset_q, offset_k, active) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
+             offset_q, offset_k, active, _, _) = self.item_coords(tile, mQ, mK, win_left, win_right,
+                                                                  vl, sk)
             if active:
                 if const_expr(self.varlen):
                     # packed tensors: the sequence starts at row offset_*; loads that run past its
@@ -747,7 +799,7 @@ class FlashFwdSm90:
     @cute.jit
     def consume(self, tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                 tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx, win_left, win_right,
-                softcap_scale, softcap_val, vl=None, kr=None, bs=None):
+                softcap_scale, softcap_val, vl=None, kr=None, bs=None, sk=None, sk_flag=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_slice_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -799,10 +851,11 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         tile, step = self.first_tile_and_step()
-        total = self.num_slots(mQ, vl)
+        total = self.num_slots(mQ, vl, sk)
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
-             offset_q, _, active) = self.tile_coords(tile, mQ, mK, win_left, win_right, vl)
+             offset_q, _, active, cut, sk_slot) = self.item_coords(
+                 tile, mQ, mK, win_left, win_right, vl, sk)
             if active:
                 n_blocks = cutlass.max(n_block_max - n_block_min, 0)
                 acc_O.fill(0.0)
@@ -914,56 +967,23 @@ class FlashFwdSm90:
                     pipe_q.consumer_release(q_state)
                     q_state.advance()
 
-                # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
-                for r in cutlass.range_constexpr(num_rows):
-                    sm = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
-                    inv = Float32(0.0)
-                    lse[r] = -Float32.inf
-                    if sm > 0.0:
-                        inv = cute.arch.rcp_approx(sm)
-                        lse[r] = (row_max[r] * softmax_scale_log2
-                                  + cute.math.log2(sm, fastmath=True)) * LN_2
-                    for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                        acc_O_mn[r, c] = acc_O_mn[r, c] * inv
-
-                # LSE: the first thread of each quad owns its two rows
-                if const_expr(self.write_lse) and tidx % 4 == 0:
-                    for r in cutlass.range_constexpr(num_rows):
-                        row = m_block * BM + tScS_mn[r, 0][0]
-                        if row < seqlen_q:
-                            if const_expr(self.varlen):
-                                mLSE[offset_q + row, head_idx, 0] = lse[r]
-                            else:
-                                mLSE[row, head_idx, batch_idx] = lse[r]
-
-                # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
-                # done. Separate: free once the previous tile's store has read it; the warp that
-                # issued that store (warp 0 of the consumers, or with wg_epilogue of this
-                # warpgroup) waits for it here, a whole tile after issuing it (varlen partial
-                # tiles: every thread's own shared-memory reads are complete already).
-                if const_expr(self.separate_o):
-                    if tidx % epi_threads < 32:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
-                rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
-                rO.store(acc_O.load().to(self.dtype))
-                cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
-                # varlen: a tile that ends inside its sequence goes out by TMA like a batched one
-                # (warp 0 issues it, the others go on); a sequence's last, partial tile by
-                # row-predicated 16-byte stores (a TMA store would write the next sequence's rows)
-                if const_expr(self.wg_epilogue):
-                    self.store_O_wg(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q,
-                                    seqlen_q, tidx, wg, vl)
-                elif const_expr(self.varlen):
-                    rows_left = seqlen_q - m_block * BM
-                    if rows_left >= BM:
-                        self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
-                    else:
-                        self.store_O_rows(sO, vl[4], offset_q, head_idx, m_block, rows_left, tidx)
-                else:  # batched: the TMA store clips a tail tile at the tensor's end
-                    self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
+                if const_expr(self.stream_k):
+                    # a cut tile's piece: the one finishing second merges both and stores the tile
+                    finish = Boolean(True)
+                    if cut:
+                        finish = self.stream_k_merge(sk, sk_slot, acc_O, acc_O_mn, row_max, row_sum,
+                                                     softmax_scale_log2, tidx, wg, epi_bar, epi_threads,
+                                                     sk_flag)
+                    if finish:
+                        self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
+                                      tScS_mn, thr_copy_O, tOsO_r2s, softmax_scale_log2, m_block,
+                                      head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
+                                      epi_threads, vl)
+                else:
+                    self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
+                                  tScS_mn, thr_copy_O, tOsO_r2s, softmax_scale_log2, m_block,
+                                  head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
+                                  epi_threads, vl)
                 if const_expr(not self.separate_o):
                     # the store has read Q/O's buffer: hand it back to the producer for the next Q
                     cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
@@ -973,6 +993,134 @@ class FlashFwdSm90:
         # shared memory must outlive the last store's reads (each issuing warp waits for its own)
         if tidx % epi_threads < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def stream_k_merge(self, sk, slot, acc_O, acc_O_mn, row_max, row_sum, scale_log2, tidx, wg,
+                       epi_bar, epi_threads, sk_flag):
+        """One piece of a cut tile (stream-K) meets the other; True for the one that finishes
+        second, which then holds the whole tile's online-softmax state and stores it.
+
+        Per epilogue group (this warpgroup with wg_epilogue, else all consumers: the threads that
+        store O together), counter ``slot * groups + group`` (zero before, zero again after):
+        the group's first thread adds 1 and shares the old value through shared memory.
+        - First (old 0): every thread writes its unnormalised O, row maxima and partial row sums
+          to the group's workspace record, value-major (a warp's 32 values of one index are 128
+          contiguous bytes), fences, the group syncs, and its first thread adds 2 with release
+          (data ready). It stores nothing. Nothing it waits for can wait on it: no deadlock.
+        - Second (old 1 or 3): the first thread waits for 4 = both arrivals + ready (acquire; the
+          first piece is running, so this ends), zeroes the counter for the next call (no one
+          touches it after that), the group syncs, and each thread
+          reads the record its twin (same thread of the other piece: same rows and columns)
+          wrote, and merges: max, then the two states scaled and added with products rounded
+          apart (mul_rn), which is symmetric in the two pieces, so the result is bitwise the
+          same whichever finished first."""
+        num_rows = cute.size(row_max)
+        groups = self.num_mma_wg if const_expr(self.wg_epilogue) else 1
+        group = wg if const_expr(self.wg_epilogue) else 0
+        ws, counters = sk[0], sk[1]
+        gt = tidx % epi_threads
+        record = slot * groups + group
+        counter = counters.iterator + record
+        n_vals = 2 * num_rows + cute.size(acc_O)
+        base = record * (n_vals * epi_threads) + gt
+        if gt == 0:
+            sk_flag[group] = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+        cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+        second = sk_flag[group] != 0
+        if not second:
+            for r in cutlass.range_constexpr(num_rows):
+                ws[base + r * epi_threads] = row_max[r]
+                ws[base + (num_rows + r) * epi_threads] = row_sum[r]
+            for i in cutlass.range_constexpr(cute.size(acc_O)):
+                ws[base + (2 * num_rows + i) * epi_threads] = acc_O[i]
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+            if gt == 0:
+                cute.arch.atomic_add(counter, Int32(2), sem="release", scope="gpu")
+        else:
+            if gt == 0:
+                seen = Int32(0)
+                while seen != 4:
+                    seen = cute.arch.atomic_add(counter, Int32(0), sem="acquire", scope="gpu")
+                cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+            cute.arch.fence_acq_rel_gpu()
+            num_cols = cute.size(acc_O_mn, mode=[1])
+            for r in cutlass.range_constexpr(num_rows):
+                m_twin = ws[base + r * epi_threads]
+                l_twin = ws[base + (num_rows + r) * epi_threads]
+                m = cute.arch.fmax(row_max[r], m_twin)
+                m_off = m * scale_log2
+                if m == -Float32.inf:  # (no visible key in either piece; cannot happen uncut)
+                    m_off = Float32(0.0)
+                c_own = cute.math.exp2(row_max[r] * scale_log2 - m_off, fastmath=True)
+                c_twin = cute.math.exp2(m_twin * scale_log2 - m_off, fastmath=True)
+                row_max[r] = m
+                # products rounded apart, then one add: the same bits whichever piece is here
+                row_sum[r] = mul_rn(row_sum[r], c_own) + mul_rn(l_twin, c_twin)
+                for c in cutlass.range_constexpr(num_cols):
+                    o_twin = ws[base + (2 * num_rows + cute.crd2idx((r, c), acc_O_mn.layout)) * epi_threads]
+                    acc_O_mn[r, c] = mul_rn(acc_O_mn[r, c], c_own) + mul_rn(o_twin, c_twin)
+        return second
+
+    @cute.jit
+    def epilogue(self, tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse, tScS_mn,
+                 thr_copy_O, tOsO_r2s, softmax_scale_log2, m_block, head_idx, batch_idx, seqlen_q,
+                 offset_q, tidx, wg, epi_bar, epi_threads, vl=None):
+        """Normalise O, write LSE, stage O in shared memory and store it (one tile, or with
+        wg_epilogue this warpgroup's 64 rows of it)."""
+        BM = self.tile_m
+        num_rows = cute.size(row_max)
+        # ---- finalize: O /= rowsum, LSE = (max * scale_log2 + log2(sum)) * ln 2
+        for r in cutlass.range_constexpr(num_rows):
+            sm = cute.arch.warp_reduction_sum(row_sum[r], threads_in_group=4)
+            inv = Float32(0.0)
+            lse[r] = -Float32.inf
+            if sm > 0.0:
+                inv = cute.arch.rcp_approx(sm)
+                lse[r] = (row_max[r] * softmax_scale_log2
+                          + cute.math.log2(sm, fastmath=True)) * LN_2
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                acc_O_mn[r, c] = acc_O_mn[r, c] * inv
+
+        # LSE: the first thread of each quad owns its two rows
+        if const_expr(self.write_lse) and tidx % 4 == 0:
+            for r in cutlass.range_constexpr(num_rows):
+                row = m_block * BM + tScS_mn[r, 0][0]
+                if row < seqlen_q:
+                    if const_expr(self.varlen):
+                        mLSE[offset_q + row, head_idx, 0] = lse[r]
+                    else:
+                        mLSE[row, head_idx, batch_idx] = lse[r]
+
+        # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
+        # done. Separate: free once the previous tile's store has read it; the warp that
+        # issued that store (warp 0 of the consumers, or with wg_epilogue of this
+        # warpgroup) waits for it here, a whole tile after issuing it (varlen partial
+        # tiles: every thread's own shared-memory reads are complete already).
+        if const_expr(self.separate_o):
+            if tidx % epi_threads < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+        # varlen: a tile that ends inside its sequence goes out by TMA like a batched one
+        # (warp 0 issues it, the others go on); a sequence's last, partial tile by
+        # row-predicated 16-byte stores (a TMA store would write the next sequence's rows)
+        if const_expr(self.wg_epilogue):
+            self.store_O_wg(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q,
+                            seqlen_q, tidx, wg, vl)
+        elif const_expr(self.varlen):
+            rows_left = seqlen_q - m_block * BM
+            if rows_left >= BM:
+                self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
+            else:
+                self.store_O_rows(sO, vl[4], offset_q, head_idx, m_block, rows_left, tidx)
+        else:  # batched: the TMA store clips a tail tile at the tensor's end
+            self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
 
     @cute.jit
     def visit_plan(self, m_block, head, batch, n_block_min, n_block_max, seqlen_q, offset_q, kr,
