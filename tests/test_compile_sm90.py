@@ -85,7 +85,9 @@ def test_compile_key_is_explicit_and_shape_free():
     assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, "sm_90a")
+                   False, False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, "sm_90a")
+    # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls
+    assert FORWARD.compile_key(_spec(192), 90)[16] is True
     # the paired causal order is compiled in (persistent causal grids only)
     assert FORWARD.compile_key(_spec(64, True), 90)[-6] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
@@ -253,7 +255,8 @@ def test_sm90_packed_args_build_the_right_tensors(causal, window, softcap, monke
     lse = torch.zeros(B, Hq, Sq)
     res = torch.zeros(16)
     tail = (*fwd.runtime_scalars(spec), 132)
-    fn(fwd.pack_args(sch.pack, tail, q, k, v, out, lse),
+    sk = (0, 0, 0) if fwd.stream_k(spec) else ()  # stream-K fields: no tile cut
+    fn(fwd.pack_args(sch.pack, tail, q, k, v, out, lse, sk),
        make_ptr(cutlass.Float32, res.data_ptr(), AddressSpace.gmem, 4))
     exp = [q[-1, -1, -1, -1], q[1, 2, 3, 4], k[-1, -1, -1, -1], v[-1, -1, -1, -1], v[0, 5, 1, 7]]
     assert res[:5].tolist() == [float(x) for x in exp]
@@ -506,10 +509,12 @@ def _global_stores(ptx: str) -> int:
 @pytest.mark.timeout(300)
 def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
     """return_lse=False without grad: its own compile key, and the PTX loses the LSE store (the
-    only plain global store of the forward, 32-bit: O leaves through TMA)."""
-    with_lse, without = _spec(return_lse=True), _spec(return_lse=False)
+    only plain global store of the forward, 32-bit: O leaves through TMA). Causal: non-causal
+    kernels also store the stream-K merge's workspace (test_stream_k_merge_only_...)."""
+    with_lse, without = _spec(return_lse=True, causal=True), _spec(return_lse=False, causal=True)
     assert FORWARD.compile_key(with_lse, 90) != FORWARD.compile_key(without, 90)
-    assert FORWARD.compile_key(_spec(return_lse=False, needs_grad=True), 90) == FORWARD.compile_key(with_lse, 90)
+    assert (FORWARD.compile_key(_spec(return_lse=False, needs_grad=True, causal=True), 90)
+            == FORWARD.compile_key(with_lse, 90))
     ptx_with = FastSm90Forward().compile_only(with_lse, arch=90).__ptx__
     ptx_without = FastSm90Forward().compile_only(without, arch=90).__ptx__
     assert _global_stores(ptx_with) >= 1
@@ -586,7 +591,8 @@ def test_pack_gqa_views_fold_the_group_into_rows():
     out = torch.zeros(B, Sq, Hq, D, dtype=torch.bfloat16)
     lse = torch.zeros(B, Hq, Sq)
     res = torch.zeros(16)
-    fn(fwd.pack_args(sch.pack, (*fwd.runtime_scalars(spec), 132), q, k, v, out, lse),
+    fn(fwd.pack_args(sch.pack, (*fwd.runtime_scalars(spec), 132), q, k, v, out, lse,
+                     (0, 0, 0) if fwd.stream_k(spec) else ()),
        make_ptr(cutlass.Float32, res.data_ptr(), AddressSpace.gmem, 4))
     for i, (b, row, h, d) in enumerate(probes):
         s, hq = row // g, h * g + row % g

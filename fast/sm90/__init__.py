@@ -359,10 +359,10 @@ class FastSm90Forward:
         g = self.pack_gqa(spec)
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
-                *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec),
+                *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
-                self.rescale_threshold(spec), self.rescale_before_pv(spec), self.stream_k(spec),
-                L2_SECTION_BYTES, arch_string(arch))
+                self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
+                arch_string(arch))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
