@@ -52,11 +52,12 @@ def main():
     impl = dispatch.select(call.spec, "fast")
     assert impl.name == "fast-sm90", impl.name
     impl.forward(call)
-    fn, pack, tail = impl._entry(call.spec, q.device)
+    fn, pack, tail, sk_geometry = impl._entry(call.spec, q.device)
+    sk = (0, 0, 0) if sk_geometry is not None else ()  # stream-K fields: nothing cut at this size
     out, lse = impl.forward(call)
     dev = q.device
     run = impl.direct_launcher(call)
-    bound = BoundLaunch(fn, pack.__self__, 5, (*impl.shape_values(q, k, v), *tail))
+    bound = BoundLaunch(fn, pack.__self__, 5, (*impl.shape_values(q, k, v), *tail, *sk))
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr())
     stream = current_stream_handle(dev)
     bound(ptrs, stream)
@@ -76,9 +77,9 @@ def main():
         "  debug.current_mode": debug.current_mode,
         "  (os.environ.get of DUALATTN_MODE, what it replaced)": lambda: os.environ.get("DUALATTN_MODE", ""),
         "  _entry (memo)": lambda: impl._entry(call.spec, dev),
-        "  pack_args": lambda: impl.pack_args(pack, tail, q, k, v, out, lse),
+        "  pack_args": lambda: impl.pack_args(pack, tail, q, k, v, out, lse, sk),
         "  current_stream_handle": lambda: current_stream_handle(dev),
-        "  pack + launch": lambda: fn(impl.pack_args(pack, tail, q, k, v, out, lse), current_stream_handle(dev)),
+        "  pack + launch": lambda: fn(impl.pack_args(pack, tail, q, k, v, out, lse, sk), current_stream_handle(dev)),
         "replayed launcher run(q, k, v) (what a LAUNCH_MEMO hit calls)": lambda: run(q, k, v),
         "  bound launch (writes the 5 pointers, calls the host function)": lambda: bound(ptrs, stream),
         "  the compiled host function alone (ready array)": lambda: DirectLauncher._fire(ready[2], ready[1], stream),

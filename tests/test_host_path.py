@@ -470,7 +470,7 @@ def test_fast_sm90_launcher_packs_what_forward_packs(monkeypatch):
     call = S.build_dense(q, k, v, causal=True, return_lse=True)
     tail = (*impl.runtime_scalars(call.spec), 132)
     schema = impl.arg_schema(call.spec)
-    monkeypatch.setattr(impl, "_entry", lambda spec, device: ("entry", schema.pack, tail))
+    monkeypatch.setattr(impl, "_entry", lambda spec, device: ("entry", schema.pack, tail, None))
     launched = []
     # the launcher hands _launch a BoundLaunch and the five pointers; it packs them before its
     # fixed values (BoundLaunch's own CPU test shows that)

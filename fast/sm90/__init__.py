@@ -452,27 +452,28 @@ class FastSm90Forward:
                 and spec.mode == "batched" and not spec.has_key_ranges and not spec.has_block_sparse
                 and _STREAM_K_ENV != "0")
 
-    def stream_k_count(self, spec, q, k, device) -> int:
-        """Tiles of a stream-K call cut along the keys (tile_order.stream_k_tiles), 0 for none."""
-        tile_m, tile_n = self.config(spec)[:2]
-        g = self.pack_gqa(spec)
+    def stream_k_count(self, spec, q, k, device, geometry=None) -> int:
+        """Tiles of a stream-K call cut along the keys (tile_order.stream_k_tiles), 0 for none.
+        ``geometry``: (tile_m, tile_n, GQA pack) when the caller has them (the launch memo)."""
+        tile_m, tile_n, g = geometry or (*self.config(spec)[:2], self.pack_gqa(spec))
         B, Sq, Hq, _ = q.shape
         tiles = B * (Hq // g) * -(-(g * Sq) // tile_m)
         min_keys = int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
         return stream_k_tiles(tiles, min(tiles, _num_sms(device)), -(-k.shape[1] // tile_n), tile_n,
                               min_keys)
 
-    def stream_k_buffers(self, spec, q, k, device):
+    def stream_k_buffers(self, spec, q, k, device, geometry=None):
         """(number of cut tiles, fp32 workspace, int32 counters) of a stream-K call, or None
         where no tile is cut. The workspace holds one record per cut tile and epilogue group
         (Dv / 2 + 4 values per consumer thread; FlashFwdSm90.stream_k_merge), from the caching
         allocator per call. The counters start at zero and the kernel leaves them at zero, so
         they are kept per (device, stream) and reused (streams never share them); during a CUDA
         graph capture they are made zero in the graph instead (a memset node)."""
-        sk_tiles = self.stream_k_count(spec, q, k, device)
+        geometry = geometry or (*self.config(spec)[:2], self.pack_gqa(spec))
+        sk_tiles = self.stream_k_count(spec, q, k, device, geometry)
         if sk_tiles == 0:
             return None
-        tile_m = self.config(spec)[0]
+        tile_m = geometry[0]
         consumers = 128 * (tile_m // 64)
         ws = torch.empty(sk_tiles * consumers * (spec.head_dim_v // 2 + 4), dtype=torch.float32,
                          device=device)
@@ -594,8 +595,9 @@ class FastSm90Forward:
         return t.contiguous() if not t.is_contiguous() else t.clone()
 
     def _entry(self, spec, device):
-        """(compiled fn, schema.pack, runtime scalars + num_sms) for a spec on a device; memoised
-        per (spec, device) so a repeated call does no key building or device queries."""
+        """(compiled fn, schema.pack, runtime scalars + num_sms, stream-K geometry: (tile_m,
+        tile_n, GQA pack) or None) for a spec on a device; memoised per (spec, device) so a
+        repeated call does no key building or device queries."""
         ek = (spec, device.index)
         hit = self._entries.get(ek)
         if hit is not None:
@@ -604,7 +606,8 @@ class FastSm90Forward:
         key = self.compile_key(spec, arch)
         fn = self.cache.get(key, lambda: self.compile_for(spec, arch))
         tail = (*self.runtime_scalars(spec), _num_sms(device))
-        hit = (DirectLauncher(fn), self.arg_schema(spec).pack, tail)
+        geometry = (*self.config(spec)[:2], self.pack_gqa(spec)) if self.stream_k(spec) else None
+        hit = (DirectLauncher(fn), self.arg_schema(spec).pack, tail, geometry)
         if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
             self._entries.clear()
         self._entries[ek] = hit
@@ -685,7 +688,7 @@ class FastSm90Forward:
             return self._no_keys(out, lse, True)
         cu_q = call.cu_seqlens_q.to(torch.int32).contiguous()
         cu_k = call.cu_seqlens_k.to(torch.int32).contiguous()
-        fn, pack, tail = self._entry(spec, q.device)
+        fn, pack, tail, _ = self._entry(spec, q.device)
         sq, sk, sv = q.stride(), k.stride(), v.stride()
         args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                     cu_q.data_ptr(), cu_k.data_ptr(), Tq, k.shape[0], Hq, k.shape[1],
@@ -708,10 +711,10 @@ class FastSm90Forward:
             return self._no_keys(out, lse, False)
         if k.shape[1] == 0:  # no keys at all: every row is fully masked
             return self._no_keys(out, lse, True)
-        fn, pack, tail = self._entry(spec, q.device)
+        fn, pack, tail, sk_geometry = self._entry(spec, q.device)
         feat = self.feature_values(call) if (spec.has_key_ranges or spec.has_block_sparse) else ()
-        if self.stream_k(spec):
-            sk = self.stream_k_buffers(spec, q, k, q.device)
+        if sk_geometry is not None:
+            sk = self.stream_k_buffers(spec, q, k, q.device, sk_geometry)
             feat = (0, 0, 0) if sk is None else (sk[1].data_ptr(), sk[2].data_ptr(), sk[0])
         _launch(fn, self.pack_args(pack, tail, q, k, v, out, lse, feat), q.device)
         return out, lse
@@ -735,13 +738,13 @@ class FastSm90Forward:
         B, Sq, Hq, _ = q.shape
         if B * Sq * Hq == 0 or k.shape[1] == 0:
             return None
-        if self.stream_k(spec) and self.stream_k_count(spec, q, k, q.device) > 0:
+        fn, pack, tail, sk_geometry = self._entry(spec, q.device)
+        if sk_geometry is not None and self.stream_k_count(spec, q, k, q.device, sk_geometry) > 0:
             return None  # its workspace is per call: forward() does that
-        fn, pack, tail = self._entry(spec, q.device)
         # every field but the five pointers is packed once (pack is the schema's bound method);
         # stream-K fields: no tile cut, no buffers
         bound = BoundLaunch(fn, pack.__self__, 5, (*self.shape_values(q, k, v), *tail,
-                                                   *((0, 0, 0) if self.stream_k(spec) else ())))
+                                                   *((0, 0, 0) if sk_geometry is not None else ())))
         dv, device, lse_shape = spec.head_dim_v, q.device, ((B, Hq, Sq) if self.writes_lse(spec) else None)
 
         def run(q, k, v):
