@@ -8,26 +8,16 @@ with the SM clock (NVML) read after each. If the kernels themselves run slower i
 the profiler shows it; if only the timing differs, the cause is around the kernel.
 """
 import argparse
-import collections
 
 import torch
 
 import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
+from kernel_times import kernel_times  # ci/ (this script's folder)
 
 
 def kernel_ms(fn, reps=5):
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    per = collections.defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            per[ev.name[:40]] += ev.device_time_total / 1000.0 / reps
-    return dict(sorted(per.items(), key=lambda kv: -kv[1])[:2])
+    return {name[:40]: round(ms, 4) for name, ms in kernel_times(fn, reps)[:2]}
 
 
 def main():

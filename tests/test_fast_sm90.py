@@ -604,18 +604,23 @@ def _run_overhead_worker(out_path: str) -> None:
         f.write(json.dumps(rec))
 
 
+def _subprocess_record(flag: str, tmp_path) -> dict:
+    """Run this file with ``flag`` in a fresh process (a hang fails after 300 s instead of
+    stalling pytest) and return the JSON record it writes; skips without an sm_90 GPU."""
+    reason = _gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    path = str(tmp_path / "record.json")
+    proc = subprocess.run([sys.executable, __file__, flag, path], timeout=300, capture_output=True, text=True)
+    assert os.path.exists(path), (proc.stdout + proc.stderr)[-3000:]
+    return json.load(open(path))
+
+
 @pytest.mark.gpu
 def test_cached_call_host_overhead(tmp_path):
     """Prints the host time of a cached call (the issue's target is < 15 us); asserts only that
     the results are right (timings vary with the host)."""
-    reason = _gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    path = str(tmp_path / "overhead.json")
-    proc = subprocess.run([sys.executable, __file__, "--overhead", path], timeout=300,
-                          capture_output=True, text=True)
-    assert os.path.exists(path), (proc.stdout + proc.stderr)[-3000:]
-    r = json.load(open(path))
+    r = _subprocess_record("--overhead", tmp_path)
     assert r["impl"] == "fast-sm90", f"dispatcher picked {r['impl']}"
     print(f"\nfast-sm90 cached-call host overhead (us/call, 5 rounds of 200 calls): "
           f"{', '.join(f'{x:.1f}' for x in r['us_per_call'])}; min {min(r['us_per_call']):.1f}")
@@ -697,14 +702,7 @@ def _run_stream_k_graph_worker(out_path: str) -> None:
 
 @pytest.mark.gpu
 def test_stream_k_in_cuda_graphs_and_on_two_streams(tmp_path):
-    reason = _gpu_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    path = str(tmp_path / "graph.json")
-    proc = subprocess.run([sys.executable, __file__, "--stream-k-graph", path], timeout=300,
-                          capture_output=True, text=True)
-    assert os.path.exists(path), (proc.stdout + proc.stderr)[-3000:]
-    r = json.load(open(path))
+    r = _subprocess_record("--stream-k-graph", tmp_path)
     assert r["impl"] == "fast-sm90" and r["sk_tiles"] > 0, r
     assert r["ok"], "; ".join(r["checks"])
     assert r["bitwise"], "graph replays / other streams gave other bits"
