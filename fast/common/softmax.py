@@ -76,6 +76,20 @@ def softmax_finalize(row_max: cute.Tensor, row_sum: cute.Tensor, scale_log2: Flo
         lse[r] = lse_r
 
 
+@cute.jit
+def merge_scales(m_a: Float32, m_b: Float32, scale_log2: Float32):
+    """(max, scale of state a, scale of state b) for merging two online-softmax states whose
+    running row maxima (score units) are m_a and m_b, e.g. the two key ranges of a split tile:
+    each state's O and row sum are multiplied by its scale, exp2((m - max) * scale_log2).
+    Symmetric in a and b; a row with no visible key in either (both -inf) gets scales 0, not NaN."""
+    m = cute.arch.fmax(m_a, m_b)
+    m_off = m * scale_log2
+    if m == -Float32.inf:
+        m_off = Float32(0.0)
+    return (m, cute.math.exp2(m_a * scale_log2 - m_off, fastmath=True),
+            cute.math.exp2(m_b * scale_log2 - m_off, fastmath=True))
+
+
 @dsl_user_op
 def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """a * b rounded on its own (PTX ``mul.rn``: never fused into an FMA by the compiler or ptxas).

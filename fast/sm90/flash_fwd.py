@@ -46,7 +46,7 @@ from cutlass.utils import LayoutEnum
 
 from cutlass import Boolean
 
-from dualattn.fast.common.softmax import mul_rn
+from dualattn.fast.common.softmax import merge_scales, mul_rn
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_slot,
@@ -1049,12 +1049,7 @@ class FlashFwdSm90:
             for r in cutlass.range_constexpr(num_rows):
                 m_twin = ws[base + r * epi_threads]
                 l_twin = ws[base + (num_rows + r) * epi_threads]
-                m = cute.arch.fmax(row_max[r], m_twin)
-                m_off = m * scale_log2
-                if m == -Float32.inf:  # (no visible key in either piece; cannot happen uncut)
-                    m_off = Float32(0.0)
-                c_own = cute.math.exp2(row_max[r] * scale_log2 - m_off, fastmath=True)
-                c_twin = cute.math.exp2(m_twin * scale_log2 - m_off, fastmath=True)
+                m, c_own, c_twin = merge_scales(row_max[r], m_twin, scale_log2)
                 row_max[r] = m
                 # products rounded apart, then one add: the same bits whichever piece is here
                 row_sum[r] = mul_rn(row_sum[r], c_own) + mul_rn(l_twin, c_twin)
