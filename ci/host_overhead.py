@@ -52,8 +52,8 @@ def main():
     impl = dispatch.select(call.spec, "fast")
     assert impl.name == "fast-sm90", impl.name
     impl.forward(call)
-    fn, pack, tail, sk_geometry = impl._entry(call.spec, q.device)
-    sk = (0, 0, 0) if sk_geometry is not None else ()  # stream-K fields: nothing cut at this size
+    fn, pack, tail, _ = impl._entry(call.spec, q.device)
+    sk = impl.no_cut_fields(call.spec)  # stream-K fields: nothing cut at this size
     out, lse = impl.forward(call)
     dev = q.device
     run = impl.direct_launcher(call)

@@ -11,6 +11,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py wg_epilogue  # per-warpgroup epilogues against one for all warpgroups
     python ci/sm90_grid_ab.py stream_k     # the last rounds cut along the keys against uncut, on
                                            # the non-causal dense / GQA cells and shapes of whole rounds
+    python ci/sm90_grid_ab.py stream_k causal   # the same for the paired causal order, on the
+                                                # causal dense / GQA cells
     python ci/sm90_grid_ab.py varlen_sections   # varlen causal tiles in L2 sections against
                                                 # heaviest first across all, on packed documents
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
@@ -67,6 +69,8 @@ def main(knob: str, tiles: str = ""):
     if knob == "persistent":
         cells += B.filter_cells(fwd, groups=["dense"], head_dims=[128, 256], causal=True)
         cells += B.filter_cells(fwd, groups=["gqa"], causal=True)
+    elif knob == "stream_k" and tiles == "causal":
+        cells = B.filter_cells(fwd, groups=["dense", "gqa"], causal=True)
     elif knob == "stream_k":  # every non-causal cell; whole rounds on 132 SMs (nothing cut: noise)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"], causal=False)
         cells += [B.Cell("fwd", "dense", 2, 8448, 8448, 16, 16, 128), B.Cell("fwd", "dense", 2, 7936, 7936, 8, 8, 256)]

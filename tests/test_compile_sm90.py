@@ -120,21 +120,28 @@ def test_window_and_softcap_configs_compile(kw):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_stream_k_merge_only_in_equal_work_configs(d):
-    """Non-causal batched configs carry the stream-K merge (gpu-scope atomics on the counters,
-    release / acquire around the workspace, gpu-scope fences); causal and windowed configs carry
-    none of it, and their argument schema has no stream-K fields."""
+    """Non-causal batched configs and the paired causal ones carry the stream-K merge (gpu-scope
+    atomics on the counters, release / acquire around the workspace, gpu-scope fences);
+    windowed configs (a sliding causal window too: short pairs of unequal work) carry none of
+    it, and their argument schema has no stream-K fields. The paired ones take the length of a
+    unit as well."""
     plain, causal, window = _spec(d), _spec(d, causal=True), _spec(d, window=(100, 100))
-    assert FastSm90Forward.stream_k(plain) and not FastSm90Forward.stream_k(causal)
-    assert not FastSm90Forward.stream_k(window)
-    ptx = FastSm90Forward().compile_only(plain, arch=90).__ptx__
-    atoms = [ln.strip() for ln in ptx.splitlines() if "atom." in ln]
-    # (atom's default scope is .gpu)
-    assert any(".release." in a and ".add." in a for a in atoms), atoms
-    assert any(".acquire." in a for a in atoms) and "fence.acq_rel.gpu" in ptx, atoms
-    for other in (causal, window):
+    sliding = _spec(d, causal=True, window=(64, -1))
+    assert FastSm90Forward.paired(causal)
+    for spec in (plain, causal):
+        assert FastSm90Forward.stream_k(spec)
+        ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+        atoms = [ln.strip() for ln in ptx.splitlines() if "atom." in ln]
+        # (atom's default scope is .gpu)
+        assert any(".release." in a and ".add." in a for a in atoms), atoms
+        assert any(".acquire." in a for a in atoms) and "fence.acq_rel.gpu" in ptx, atoms
+        assert "sk_workspace" in FastSm90Forward.arg_schema(spec).names
+    assert "sk_unit_blocks" in FastSm90Forward.arg_schema(causal).names
+    assert "sk_unit_blocks" not in FastSm90Forward.arg_schema(plain).names
+    for other in (window, sliding):
+        assert not FastSm90Forward.stream_k(other)
         assert "atom." not in FastSm90Forward().compile_only(other, arch=90).__ptx__
         assert "sk_workspace" not in FastSm90Forward.arg_schema(other).names
-    assert "sk_workspace" in FastSm90Forward.arg_schema(plain).names
 
 
 @pytest.mark.parametrize("kw,word", [
@@ -255,7 +262,7 @@ def test_sm90_packed_args_build_the_right_tensors(causal, window, softcap, monke
     lse = torch.zeros(B, Hq, Sq)
     res = torch.zeros(16)
     tail = (*fwd.runtime_scalars(spec), 132)
-    sk = (0, 0, 0) if fwd.stream_k(spec) else ()  # stream-K fields: no tile cut
+    sk = fwd.no_cut_fields(spec)  # stream-K fields: no tile cut
     fn(fwd.pack_args(sch.pack, tail, q, k, v, out, lse, sk),
        make_ptr(cutlass.Float32, res.data_ptr(), AddressSpace.gmem, 4))
     exp = [q[-1, -1, -1, -1], q[1, 2, 3, 4], k[-1, -1, -1, -1], v[-1, -1, -1, -1], v[0, 5, 1, 7]]
@@ -509,11 +516,13 @@ def _global_stores(ptx: str) -> int:
 @pytest.mark.timeout(300)
 def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
     """return_lse=False without grad: its own compile key, and the PTX loses the LSE store (the
-    only plain global store of the forward, 32-bit: O leaves through TMA). Causal: non-causal
-    kernels also store the stream-K merge's workspace (test_stream_k_merge_only_...)."""
-    with_lse, without = _spec(return_lse=True, causal=True), _spec(return_lse=False, causal=True)
+    only plain global store of the forward, 32-bit: O leaves through TMA). A sliding causal
+    window: plain and causal kernels also store the stream-K merge's workspace
+    (test_stream_k_merge_only_...)."""
+    win = (256, -1)
+    with_lse, without = _spec(return_lse=True, causal=True, window=win), _spec(return_lse=False, causal=True, window=win)
     assert FORWARD.compile_key(with_lse, 90) != FORWARD.compile_key(without, 90)
-    assert (FORWARD.compile_key(_spec(return_lse=False, needs_grad=True, causal=True), 90)
+    assert (FORWARD.compile_key(_spec(return_lse=False, needs_grad=True, causal=True, window=win), 90)
             == FORWARD.compile_key(with_lse, 90))
     ptx_with = FastSm90Forward().compile_only(with_lse, arch=90).__ptx__
     ptx_without = FastSm90Forward().compile_only(without, arch=90).__ptx__
@@ -592,7 +601,7 @@ def test_pack_gqa_views_fold_the_group_into_rows():
     lse = torch.zeros(B, Hq, Sq)
     res = torch.zeros(16)
     fn(fwd.pack_args(sch.pack, (*fwd.runtime_scalars(spec), 132), q, k, v, out, lse,
-                     (0, 0, 0) if fwd.stream_k(spec) else ()),
+                     fwd.no_cut_fields(spec)),
        make_ptr(cutlass.Float32, res.data_ptr(), AddressSpace.gmem, 4))
     for i, (b, row, h, d) in enumerate(probes):
         s, hq = row // g, h * g + row % g

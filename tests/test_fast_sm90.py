@@ -110,6 +110,18 @@ _case("streamk", 2, 16, 1000, 32, 8, 128, num_sms=6)        # packed GQA rows
 _case("streamk", 1, 500, 640, 6, 3, 128, num_sms=16, softcap=15.0)
 _case("streamk", 1, 4096, 4096, 5, 5, 128)                  # 160 tiles on 132 SMs
 _case("streamk-off", 2, 1000, 1000, 4, 4, 128, num_sms=40, stream_k="0")
+# the paired causal order's tail (tile_order.tile_share): pairs cut anywhere in either tile
+_case("streamk", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5)
+_case("streamk", 2, 203, 517, 6, 2, 128, "bfloat16", True, num_sms=5)  # more keys than queries
+_case("streamk", 2, 1000, 1000, 4, 4, 64, "bfloat16", True, num_sms=5)
+_case("streamk", 1, 4224, 4224, 2, 2, 64, "bfloat16", True, num_sms=7)  # 3 warpgroups, 192-row tiles
+_case("streamk", 2, 1000, 1000, 4, 2, 256, "bfloat16", True, num_sms=6)  # one epilogue group
+_case("streamk", 2, 700, 700, 8, 2, 128, "float16", True, num_sms=9)
+_case("streamk", 2, 16, 1000, 32, 8, 128, "bfloat16", True, num_sms=6)  # packed GQA rows
+_case("streamk", 2, 1000, 1000, 4, 2, 128, "bfloat16", False, num_sms=5, window=(-1, 50))
+_case("streamk", 1, 500, 640, 6, 3, 96, "bfloat16", True, num_sms=5, softcap=15.0)
+_case("streamk", 1, 4096, 4096, 9, 9, 128, "bfloat16", True)  # 144 pairs on 132 SMs
+_case("streamk-off", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stream_k="0")
 # non-contiguous q / k / v (strides reach the kernel as runtime values)
 _case("strided", 2, 300, 517, 4, 2, 128, "bfloat16", False, strided=True)
 _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
@@ -454,7 +466,7 @@ def _run_worker(out_path: str, group: str) -> None:
                 impl = select(call.spec, "fast")
                 rec["impl"] = impl.name
                 # tiles the launch cuts along the keys (stream-K); the streamk cases must cut some
-                rec["sk_tiles"] = (impl.stream_k_count(call.spec, q, k, q.device)
+                rec["sk_tiles"] = (impl.stream_k_count(call.spec, q.device)
                                    if impl.name == "fast-sm90" and impl.stream_k(call.spec) else 0)
                 outs = []
                 # stream-K: which of a cut tile's two pieces merges is a race, decided anew each
@@ -675,7 +687,7 @@ def _run_stream_k_graph_worker(out_path: str) -> None:
     v = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
     call = build_dense(q, k, v, return_lse=True)
     impl = select(call.spec, "fast")
-    rec = {"impl": impl.name, "sk_tiles": impl.stream_k_count(call.spec, q, k, q.device)}
+    rec = {"impl": impl.name, "sk_tiles": impl.stream_k_count(call.spec, q.device)}
     o_ref, lse_ref = impl.forward(call)
     torch.cuda.synchronize()
     checks = check_outputs(call, o_ref, lse_ref)

@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_PER_CTA, heads_per_section,
-                                              heavy_first_in_sections, paired_tile, paired_units,
-                                              stream_k_piece, stream_k_tiles, varlen_paired_tile,
+                                              heavy_first_in_sections, pair_of_unit, paired_tile,
+                                              paired_unit_blocks, paired_units, stream_k_piece,
+                                              stream_k_tiles, tile_share, varlen_paired_tile,
                                               varlen_paired_units)
 
 
@@ -196,3 +197,78 @@ def test_stream_k_cuts_only_where_the_last_round_idles():
     assert stream_k_tiles(2048, 132, 16, 128) == 0        # 2k keys: under STREAM_K_MIN_KEYS
     assert stream_k_tiles(2048, 132, 16, 128, min_keys=0) == 200
     assert STREAM_K_MIN_KEYS == 4096
+
+
+def _paired_stream_k_schedule(num_m_blocks, num_bh, num_ctas, key_blocks):
+    """The paired order with its stream-K tail, as FlashFwdSm90.paired_item_coords walks it: per
+    CTA its work in key blocks; per (m_block, bh, key block) how many pieces visit it; per cut
+    tile its merge record (the unit's number among the cut units) and piece count."""
+    units = paired_units(num_m_blocks, num_bh)
+    grid = min(units, num_ctas)
+    unit_blocks, fewest = paired_unit_blocks(num_m_blocks, key_blocks)
+    assert fewest > 0
+    cut = stream_k_tiles(units, grid, unit_blocks, 128, min_keys=0)
+    dp_end = 2 * (units - cut)
+    assert dp_end % (2 * grid) == 0  # the uncut units are whole rounds: the slots stay aligned
+    total = dp_end + 2 * STREAM_K_PIECES_PER_CTA * grid if cut else 2 * grid * -(-units // grid)
+    cover, cut_pieces, records, work = {}, {}, {}, []
+    for c in range(grid):
+        w = 0
+        for tile in range(c, total, grid):
+            if tile < dp_end or not cut:
+                m, bh, active = paired_tile(tile, grid, num_m_blocks, num_bh)
+                start, end, is_cut = 0, key_blocks(m), False
+            else:
+                piece = (tile - dp_end) // grid
+                second = piece % 2
+                slot, u_start, u_end, valid = stream_k_piece(c, piece // 2, grid, cut, unit_blocks, max, min)
+                unit = units - cut + slot
+                m, bh, active = pair_of_unit(unit, second, num_m_blocks, num_bh)
+                m_heavy = pair_of_unit(unit, 0, num_m_blocks, num_bh)[0]
+                blocks = key_blocks(m)
+                start, end = tile_share(u_start, u_end, second * key_blocks(m_heavy), blocks, max, min)
+                active = active and valid and start < end
+                is_cut = start > 0 or end < blocks
+                if active and is_cut:
+                    cut_pieces[(m, bh)] = cut_pieces.get((m, bh), 0) + 1
+                    assert records.setdefault(slot, (m, bh)) == (m, bh)  # one cut tile per unit
+            if not active:
+                continue
+            for n in range(start, end):
+                cover[(m, bh, n)] = cover.get((m, bh, n), 0) + 1
+            w += end - start
+        work.append(w)
+    return cut, unit_blocks, cover, cut_pieces, work
+
+
+@pytest.mark.parametrize("num_m_blocks, num_bh, num_ctas, shape", [
+    (128, 16, 132, "diag"), (64, 32, 132, "diag"), (32, 64, 132, "diag"), (64, 64, 132, "diag"),
+    (86, 32, 132, "wide"), (43, 64, 132, "wide"), (22, 128, 132, "wide"), (17, 40, 132, "diag"),
+    (9, 7, 4, "wide"), (4, 33, 16, "offset"), (7, 3, 5, "offset"), (1, 300, 132, "diag")])
+def test_paired_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_once(
+        num_m_blocks, num_bh, num_ctas, shape):
+    """Units of (nearly) equal work: square causal tiles (diag), 192-row query tiles over 128-key
+    blocks (wide: hd64's three warpgroups) and a bottom-right offset (more keys than queries)."""
+    key_blocks = {"diag": lambda m: m + 1, "wide": lambda m: -(-(m + 1) * 3 // 2),
+                  "offset": lambda m: m + 3}[shape]
+    cut, unit_blocks, cover, cut_pieces, work = _paired_stream_k_schedule(
+        num_m_blocks, num_bh, num_ctas, key_blocks)
+    assert cut > 0
+    want = {(m, bh, n) for m in range(num_m_blocks) for bh in range(num_bh) for n in range(key_blocks(m))}
+    assert set(cover) == want and set(cover.values()) == {1}
+    assert set(cut_pieces.values()) <= {2}  # a cut tile has two pieces: one merge
+    total = sum(key_blocks(m) for m in range(num_m_blocks)) * num_bh
+    grid = min(num_ctas, paired_units(num_m_blocks, num_bh))
+    # the busiest CTA carries the average work up to a unit's spread of work plus a key block;
+    # without the cut it would carry a whole unit more than most (the last round)
+    spread = unit_blocks - min(key_blocks(num_m_blocks - 1 - p) + (key_blocks(p) if p < num_m_blocks - 1 - p else 0)
+                               for p in range((num_m_blocks + 1) // 2))
+    assert max(work) <= -(-total // grid) + spread + 1
+    if unit_blocks > 1:  # (one key block per unit: nothing finer than a unit to share out)
+        assert max(work) < -(-paired_units(num_m_blocks, num_bh) // grid) * unit_blocks
+
+
+def test_paired_unit_blocks_is_the_heaviest_pair_and_flags_empty_tiles():
+    assert paired_unit_blocks(128, lambda m: m + 1) == (129, 1)
+    assert paired_unit_blocks(5, lambda m: m + 1) == (6, 1)      # middle unit: block 2 alone, 3 keys
+    assert paired_unit_blocks(3, lambda m: max(m - 1, 0)) == (1, 0)  # a tile with no key block

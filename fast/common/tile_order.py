@@ -165,3 +165,35 @@ def stream_k_piece(cta, piece, num_ctas, sk_tiles, blocks_per_tile, maximum, min
     start = maximum(lo - first, 0)
     end = minimum(hi - first, blocks_per_tile)
     return tile, start, end, first < hi
+
+
+# -- stream-K tail of the paired causal order -------------------------------------------------
+#
+# The paired order (paired_tile) has the same partly filled last round: the bench's 16k-token
+# hd128 causal cells are 1024 units on 132 SMs (7.76 rounds), hd64's 192-row tiles 1408 (10.67).
+# Its last two rounds' units are cut the same way, a unit standing for a tile: a unit's key
+# blocks are its heavier tile's, then its lighter one's, and ``unit_blocks`` (the most any unit
+# holds; the launch computes it, FastSm90Forward.stream_k_plan) is the length every unit is given
+# in stream_k_piece; a unit holding fewer leaves the rest of its length empty. A tile holds fewer than unit_blocks <= a CTA's share of
+# key blocks, so it too is cut at most once, and a unit's tiles at most once between them: the
+# merge record of a cut tile is its unit's number among the cut units.
+
+def tile_share(unit_start, unit_end, first, blocks, maximum, minimum):
+    """[start, end) of a tile's own key blocks (0 .. blocks) that a piece [unit_start, unit_end)
+    of its unit covers, the tile holding the unit's blocks [first, first + blocks); empty
+    (start >= end) when the piece misses it. Plain integer arithmetic (kernel and CPU model)."""
+    return maximum(unit_start - first, 0), minimum(unit_end - first, blocks)
+
+
+def paired_unit_blocks(num_m_blocks, key_blocks):
+    """(most, fewest) key blocks of a unit of the paired order and of one of its tiles, given
+    ``key_blocks(m_block)``, the key blocks a query block visits. Host-side (the launch passes
+    the first; a tile with no key block at all rules the cut out, see FastSm90Forward)."""
+    most, fewest = 0, 1 << 30
+    for light in range((num_m_blocks + 1) // 2):
+        heavy = num_m_blocks - 1 - light
+        a = key_blocks(heavy)
+        b = key_blocks(light) if light < heavy else None
+        most = max(most, a + (b or 0))
+        fewest = min(fewest, a, a if b is None else b)
+    return most, fewest

@@ -29,7 +29,8 @@ import torch
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
-from dualattn.fast.common.tile_order import L2_SECTION_BYTES, STREAM_K_MIN_KEYS, stream_k_tiles
+from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, STREAM_K_MIN_KEYS, paired_unit_blocks,
+                                              paired_units, stream_k_tiles)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -241,7 +242,7 @@ class FastSm90Forward:
     def __init__(self) -> None:
         self.cache = CompileCache()
         self._entries = {}
-        self._sk_counters = {}  # (device, stream) -> int32 zeros (stream_k_buffers)
+        self._sk_counters = {}  # (device, stream) -> int32 zeros (stream_k_fields)
 
     # -- what it serves ------------------------------------------------------------------------
     def can_implement(self, spec) -> Optional[str]:
@@ -446,38 +447,72 @@ class FastSm90Forward:
         """The persistent grid's last, partly filled round cut along the keys (stream-K tail,
         fast/common/tile_order.stream_k_tiles; the launch decides per call how many tiles, 0
         for none): its idle SMs were 3 % of the time at the bench's 16k-token hd128 cells
-        (2048 tiles on 132 SMs). Tiles of equal work only: non-causal batched calls without
-        windows, key ranges or a CSR. DUALATTN_SM90_STREAM_K=0 turns it off (comparisons)."""
-        return (cls.config(spec)[5] and not spec.causal and spec.window == (-1, -1)
-                and spec.mode == "batched" and not spec.has_key_ranges and not spec.has_block_sparse
-                and _STREAM_K_ENV != "0")
+        (2048 tiles on 132 SMs). Units of equal work only: the tiles of non-causal batched calls
+        without windows, key ranges or a CSR, or the pairs of the paired causal order (batched,
+        no left window bound: its pairs are short and not of equal work; tile_order.tile_share).
+        DUALATTN_SM90_STREAM_K=0 turns it off (comparisons)."""
+        plain = not spec.causal and spec.window == (-1, -1)
+        return (cls.config(spec)[5] and spec.mode == "batched" and not spec.has_key_ranges
+                and not spec.has_block_sparse and _STREAM_K_ENV != "0"
+                and (plain or (cls.paired(spec) and spec.window[0] < 0)))
 
-    def stream_k_count(self, spec, q, k, device, geometry=None) -> int:
-        """Tiles of a stream-K call cut along the keys (tile_order.stream_k_tiles), 0 for none.
-        ``geometry``: (tile_m, tile_n, GQA pack) when the caller has them (the launch memo)."""
-        tile_m, tile_n, g = geometry or (*self.config(spec)[:2], self.pack_gqa(spec))
-        B, Sq, Hq, _ = q.shape
-        tiles = B * (Hq // g) * -(-(g * Sq) // tile_m)
+    def stream_k_plan(self, spec, device) -> Tuple[int, int]:
+        """(cut units, key blocks per unit) of a stream-K call, (0, 0) where nothing is cut
+        (tile_order.stream_k_tiles). A unit is a tile, or with the paired order a pair of
+        tiles, given the key blocks of the pair that visits most (tile_order.paired_unit_blocks,
+        from the kernel's per-tile bounds, FlashFwdSm90.key_block_bounds); a paired call with a
+        tile that visits no key block is not cut (that tile's piece would be empty, so no one
+        would store it). From the spec's shapes: the launch memo (_entry) keeps it."""
+        if not self.stream_k(spec):
+            return 0, 0
+        tile_m, tile_n = self.config(spec)[:2]
+        g = self.pack_gqa(spec)
+        Sq, Sk = spec.seqlen_q, spec.seqlen_k
+        n_key_blocks = -(-Sk // tile_n)
+        num_m_blocks = -(-(g * Sq) // tile_m)
+        hb = spec.batch * (spec.num_heads_q // g)
         min_keys = int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
-        return stream_k_tiles(tiles, min(tiles, _num_sms(device)), -(-k.shape[1] // tile_n), tile_n,
-                              min_keys)
+        if not self.paired(spec):
+            units, blocks = num_m_blocks * hb, n_key_blocks
+        else:
+            win_right = self.runtime_scalars(spec)[2]
 
-    def stream_k_buffers(self, spec, q, k, device, geometry=None):
-        """(number of cut tiles, fp32 workspace, int32 counters) of a stream-K call, or None
-        where no tile is cut. The workspace holds one record per cut tile and epilogue group
-        (Dv / 2 + 4 values per consumer thread; FlashFwdSm90.stream_k_merge), from the caching
-        allocator per call. The counters start at zero and the kernel leaves them at zero, so
-        they are kept per (device, stream) and reused (streams never share them); during a CUDA
-        graph capture they are made zero in the graph instead (a memset node)."""
-        geometry = geometry or (*self.config(spec)[:2], self.pack_gqa(spec))
-        sk_tiles = self.stream_k_count(spec, q, k, device, geometry)
-        if sk_tiles == 0:
-            return None
-        tile_m = geometry[0]
-        consumers = 128 * (tile_m // 64)
-        ws = torch.empty(sk_tiles * consumers * (spec.head_dim_v // 2 + 4), dtype=torch.float32,
+            def key_blocks(m):  # FlashFwdSm90.key_block_bounds (q_end with pack_gqa = g; no left bound)
+                q_end = (m * tile_m + tile_m - 1) // g + 1
+                return min(n_key_blocks, -(-max(q_end + Sk - Sq + win_right, 0) // tile_n))
+            units = paired_units(num_m_blocks, hb)
+            blocks, fewest = paired_unit_blocks(num_m_blocks, key_blocks)
+            if fewest == 0:
+                return 0, 0
+        cut = stream_k_tiles(units, min(units, _num_sms(device)), blocks, tile_n, min_keys)
+        return (cut, blocks) if cut else (0, 0)
+
+    def stream_k_count(self, spec, device) -> int:
+        """Units of a stream-K call cut along the keys, 0 for none (stream_k_plan)."""
+        return self.stream_k_plan(spec, device)[0]
+
+    @classmethod
+    def no_cut_fields(cls, spec) -> tuple:
+        """The packed stream-K fields of a launch that cuts nothing (arg_schema), () without them."""
+        if not cls.stream_k(spec):
+            return ()
+        return (0, 0, 0, 0) if cls.paired(spec) else (0, 0, 0)
+
+    def stream_k_fields(self, spec, device, plan):
+        """The packed stream-K fields of a launch (arg_schema): workspace and counter pointers,
+        cut units and (paired) key blocks per unit. ``plan``: the launch memo's (stream_k_plan,
+        epilogue groups = tile_m / 64, paired). The workspace holds one record per cut unit
+        and epilogue group (Dv / 2 + 4 values per consumer thread; FlashFwdSm90.stream_k_merge),
+        from the caching allocator per call (the tensors stay alive while the launch is queued:
+        the allocator is stream-ordered). The counters start at zero and the kernel leaves them
+        at zero, so they are kept per (device, stream) and reused (streams never share them);
+        during a CUDA graph capture they are made zero in the graph instead (a memset node)."""
+        cut, unit_blocks, groups, paired = plan
+        if cut == 0:
+            return (0, 0, 0, 0) if paired else (0, 0, 0)
+        ws = torch.empty(cut * groups * 128 * (spec.head_dim_v // 2 + 4), dtype=torch.float32,
                          device=device)
-        n_counters = sk_tiles * (tile_m // 64)
+        n_counters = cut * groups
         if torch.cuda.is_current_stream_capturing():
             counters = torch.zeros(n_counters, dtype=torch.int32, device=device)
         else:
@@ -486,7 +521,7 @@ class FastSm90Forward:
             if counters is None or counters.numel() < n_counters:
                 counters = torch.zeros(max(n_counters, 1024), dtype=torch.int32, device=device)
                 self._sk_counters[key] = counters
-        return sk_tiles, ws, counters
+        return (ws.data_ptr(), counters.data_ptr(), cut) + ((unit_blocks,) if paired else ())
 
     @staticmethod
     def varlen_sections(spec) -> bool:
@@ -543,6 +578,8 @@ class FastSm90Forward:
         if FastSm90Forward.stream_k(spec):
             fields += [("sk_workspace", ("ptr", cutlass.Float32, 16)), ("sk_counters", ("ptr", cutlass.Int32, 4)),
                        ("sk_tiles", "i32")]
+            if FastSm90Forward.paired(spec):
+                fields += [("sk_unit_blocks", "i32")]
         return ArgSchema(fields)
 
     def compile_for(self, spec, arch: int, keep_ptx: bool = False):
@@ -595,9 +632,9 @@ class FastSm90Forward:
         return t.contiguous() if not t.is_contiguous() else t.clone()
 
     def _entry(self, spec, device):
-        """(compiled fn, schema.pack, runtime scalars + num_sms, stream-K geometry: (tile_m,
-        tile_n, GQA pack) or None) for a spec on a device; memoised per (spec, device) so a
-        repeated call does no key building or device queries."""
+        """(compiled fn, schema.pack, runtime scalars + num_sms, stream-K plan: (cut units, key
+        blocks per unit, tile_m / 64, paired) or None without stream-K) for a spec on a device; memoised per (spec,
+        device) so a repeated call does no key building, device queries or stream-K planning."""
         ek = (spec, device.index)
         hit = self._entries.get(ek)
         if hit is not None:
@@ -606,8 +643,9 @@ class FastSm90Forward:
         key = self.compile_key(spec, arch)
         fn = self.cache.get(key, lambda: self.compile_for(spec, arch))
         tail = (*self.runtime_scalars(spec), _num_sms(device))
-        geometry = (*self.config(spec)[:2], self.pack_gqa(spec)) if self.stream_k(spec) else None
-        hit = (DirectLauncher(fn), self.arg_schema(spec).pack, tail, geometry)
+        sk_plan = ((*self.stream_k_plan(spec, device), self.config(spec)[0] // 64, self.paired(spec))
+                   if self.stream_k(spec) else None)
+        hit = (DirectLauncher(fn), self.arg_schema(spec).pack, tail, sk_plan)
         if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
             self._entries.clear()
         self._entries[ek] = hit
@@ -711,11 +749,10 @@ class FastSm90Forward:
             return self._no_keys(out, lse, False)
         if k.shape[1] == 0:  # no keys at all: every row is fully masked
             return self._no_keys(out, lse, True)
-        fn, pack, tail, sk_geometry = self._entry(spec, q.device)
+        fn, pack, tail, sk_plan = self._entry(spec, q.device)
         feat = self.feature_values(call) if (spec.has_key_ranges or spec.has_block_sparse) else ()
-        if sk_geometry is not None:
-            sk = self.stream_k_buffers(spec, q, k, q.device, sk_geometry)
-            feat = (0, 0, 0) if sk is None else (sk[1].data_ptr(), sk[2].data_ptr(), sk[0])
+        if sk_plan is not None:
+            feat = self.stream_k_fields(spec, q.device, sk_plan)
         _launch(fn, self.pack_args(pack, tail, q, k, v, out, lse, feat), q.device)
         return out, lse
 
@@ -738,13 +775,13 @@ class FastSm90Forward:
         B, Sq, Hq, _ = q.shape
         if B * Sq * Hq == 0 or k.shape[1] == 0:
             return None
-        fn, pack, tail, sk_geometry = self._entry(spec, q.device)
-        if sk_geometry is not None and self.stream_k_count(spec, q, k, q.device, sk_geometry) > 0:
+        fn, pack, tail, sk_plan = self._entry(spec, q.device)
+        if sk_plan is not None and sk_plan[0] > 0:
             return None  # its workspace is per call: forward() does that
         # every field but the five pointers is packed once (pack is the schema's bound method);
         # stream-K fields: no tile cut, no buffers
         bound = BoundLaunch(fn, pack.__self__, 5, (*self.shape_values(q, k, v), *tail,
-                                                   *((0, 0, 0) if sk_geometry is not None else ())))
+                                                   *self.no_cut_fields(spec)))
         dv, device, lse_shape = spec.head_dim_v, q.device, ((B, Hq, Sq) if self.writes_lse(spec) else None)
 
         def run(q, k, v):

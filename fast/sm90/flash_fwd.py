@@ -50,7 +50,8 @@ from dualattn.fast.common.softmax import merge_scales, mul_rn
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_slot,
-                                              paired_tile, paired_units, stream_k_piece)
+                                              paired_tile, paired_units, stream_k_piece,
+                                              tile_share)
 from dualattn.fast.common.mask import (
     apply_key_ranges,
     block_inside_ranges,
@@ -234,10 +235,11 @@ class FlashFwdSm90:
         self.wg_epilogue = wg_epilogue
         # stream-K tail (fast/common/tile_order.stream_k_tiles): the persistent grid's last two
         # rounds cut along the keys, a cut tile's two pieces merged by the one finishing second
-        # (stream_k_merge). Needs tiles of equal work: no causal / window bounds, key ranges,
-        # CSR or varlen; the launch passes how many tiles are cut (0: none)
-        assert not stream_k or (persistent and not (self.mask_right or self.mask_left or varlen
-                                                    or self.dynamic_mask or paired))
+        # (stream_k_merge). Needs units of (nearly) equal work: the tiles of calls without causal /
+        # window bounds, or the paired order's pairs (paired_item_coords); not key ranges, CSR or
+        # varlen. The launch passes how many tiles (units) are cut, 0 for none
+        assert not stream_k or (persistent and not (varlen or self.dynamic_mask)
+                                and (paired or not (self.mask_right or self.mask_left)))
         self.stream_k = stream_k
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
@@ -425,7 +427,9 @@ class FlashFwdSm90:
             bs = (*[cute.make_tensor(p, flat) for p in vals[i:i + 4]], *vals[i + 4:i + 14])
             i += 14
         if const_expr(self.stream_k):
-            sk = (cute.make_tensor(vals[i], flat), cute.make_tensor(vals[i + 1], flat), vals[i + 2])
+            # paired: + the length every unit is given (paired_item_coords)
+            sk = (cute.make_tensor(vals[i], flat), cute.make_tensor(vals[i + 1], flat),
+                  *vals[i + 2:i + (4 if self.paired else 3)])
         return kr, bs, sk
 
     @cute.jit
@@ -539,7 +543,7 @@ class FlashFwdSm90:
         whole rounds of the grid; tile_order.paired_tile), or with cut tiles (stream-K) the
         uncut ones and then STREAM_K_PIECES_PER_CTA slots per CTA (item_coords)."""
         n = self.num_tiles(mQ, vl)
-        if const_expr(self.stream_k):
+        if const_expr(self.stream_k and not self.paired):
             if sk[2] > 0:
                 n = n - sk[2] + STREAM_K_PIECES_PER_CTA * cute.arch.grid_dim()[0]
         if const_expr(self.paired and self.varlen):
@@ -551,6 +555,9 @@ class FlashFwdSm90:
             units = paired_units(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
                                  cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]))
             n = 2 * gx * cute.ceil_div(units, gx)
+            if const_expr(self.stream_k):
+                if sk[2] > 0:  # the uncut units' slots, then two per piece of a CTA's share
+                    n = 2 * (units - sk[2]) + 2 * STREAM_K_PIECES_PER_CTA * gx
         return n
 
     @cute.jit
@@ -562,6 +569,8 @@ class FlashFwdSm90:
         past the CTA's share is inactive."""
         if const_expr(not self.stream_k):
             return (*self.tile_coords(tile, mQ, mK, win_left, win_right, vl), Boolean(False), Int32(0))
+        if const_expr(self.paired):
+            return self.paired_item_coords(tile, mQ, mK, win_left, win_right, sk)
         sk_tiles = sk[2]
         gx = cute.arch.grid_dim()[0]
         dp_end = self.num_tiles(mQ, vl) - sk_tiles
@@ -584,7 +593,73 @@ class FlashFwdSm90:
                 offset_q, offset_k, active & valid, (start > 0) | (end < n_blocks), slot)
 
     @cute.jit
-    def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None):
+    def paired_item_coords(self, tile, mQ, mK, win_left, win_right, sk):
+        """item_coords of the paired order with a stream-K tail (tile_order.tile_share): the
+        slots past the uncut units' (2 * (units - cut units), whole rounds) are this CTA's
+        pieces of the cut units, two slots per piece (the unit's heavier tile, then its lighter
+        one); sk[3] is the length every unit is given (FastSm90Forward.stream_k_plan). The
+        merge record of a cut tile is its unit's number among the cut units (at most one of a
+        unit's tiles is cut)."""
+        sk_units, unit_blocks = sk[2], sk[3]
+        gx = cute.arch.grid_dim()[0]
+        num_m_blocks = cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m)
+        hb = cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])
+        units = paired_units(num_m_blocks, hb)
+        dp_end = 2 * (units - sk_units)
+        in_tail = (sk_units > 0) & (tile >= dp_end)
+        m_block, rest, active = paired_tile(tile, gx, num_m_blocks, hb)
+        first = Int32(0)
+        unit_start = Int32(0)
+        unit_end = Int32(1 << 30)
+        slot = Int32(0)
+        if in_tail:
+            piece = (tile - dp_end) // gx
+            second = piece % 2
+            slot, unit_start, unit_end, valid = stream_k_piece(
+                cute.arch.block_idx()[0], piece // 2, gx, sk_units, unit_blocks, cutlass.max, cutlass.min)
+            unit = units - sk_units + slot
+            m_block, rest, active = pair_of_unit(unit, second, num_m_blocks, hb)
+            active = active & valid
+            # the lighter tile's key blocks follow the heavier one's in the unit
+            m_heavy = pair_of_unit(unit, 0, num_m_blocks, hb)[0]
+            lo_h, hi_h = self.key_block_bounds(m_heavy, cute.size(mQ.shape[0]), mK.shape[0],
+                                               win_left, win_right)
+            first = second * cutlass.max(hi_h - lo_h, 0)
+        (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
+         offset_k, active) = self.tile_coords(tile, mQ, mK, win_left, win_right, None,
+                                              placed=(m_block, rest, active))
+        blocks = cutlass.max(n_block_max - n_block_min, 0)
+        start, end = tile_share(unit_start, unit_end, first, blocks, cutlass.max, cutlass.min)
+        cut = in_tail & ((start > 0) | (end < blocks))
+        if in_tail:
+            active = active & (start < end)
+            n_block_max = n_block_min + end
+            n_block_min = n_block_min + start
+        return (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k,
+                offset_q, offset_k, active, cut, slot)
+
+    @cute.jit
+    def key_block_bounds(self, m_block, seqlen_q, seqlen_k, win_left, win_right):
+        """[n_block_min, n_block_max) of the key blocks query block ``m_block`` visits (before
+        key ranges / a CSR narrow them; ``seqlen_q`` in rows)."""
+        BN = self.tile_n
+        n_block_max = cute.ceil_div(seqlen_k, BN)
+        # (query positions: the rows themselves unless pack_gqa, see q_pos)
+        if const_expr(self.mask_right):
+            # keys visible to the tile's last row i: j < i + 1 + Sk - Sq + win_right
+            n_block_max = cutlass.min(
+                n_block_max,
+                cute.ceil_div(cutlass.max(self.q_end(m_block) + seqlen_k - self.q_count(seqlen_q) + win_right, 0),
+                              BN))
+        n_block_min = Int32(0)
+        if const_expr(self.mask_left):
+            # first key visible to the tile's first row: i + Sk - Sq - win_left
+            n_block_min = cutlass.max(self.q_pos(m_block * self.tile_m) + seqlen_k - self.q_count(seqlen_q) - win_left,
+                                      0) // BN
+        return n_block_min, n_block_max
+
+    @cute.jit
+    def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None, placed=None):
         """(m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
         offset_k, active) of a linear tile index; the offsets are the sequence's first row in the
         packed tensors (varlen; 0 otherwise). ``active``: the tile has rows to compute, which
@@ -597,7 +672,9 @@ class FlashFwdSm90:
         launch order then balances; not across all heads at once but within sections of heads
         whose K/V fit in L2 (fast/common/tile_order; varlen too, with ``varlen_sections``: a
         section is then consecutive heads of one sequence, then the next). Causal on the persistent grid (``paired``): pairs of query blocks of equal
-        total work, one pair per CTA at a time (tile_order.paired_tile).
+        total work, one pair per CTA at a time (tile_order.paired_tile). ``placed``: the
+        (m_block, batch * heads + head, active) of the tile when the caller has placed it
+        (paired_item_coords) instead of a linear index.
         """
         BM, BN = self.tile_m, self.tile_n
         seqlen_q = cute.size(mQ.shape[0])  # g * Sq rows with pack_gqa
@@ -614,7 +691,9 @@ class FlashFwdSm90:
         active = Boolean(True)
         if const_expr(self.mask_right):
             hb = num_heads * num_batch
-            if const_expr(self.paired and self.varlen):
+            if const_expr(placed is not None):
+                m_block, rest, active = placed
+            elif const_expr(self.paired and self.varlen):
                 # pairs within each sequence, numbered across sequences (a warp scan of cu_seqlens
                 # per tile; FastSm90Forward.paired keeps it to calls of few, long sequences)
                 m_block, rest, active = self.varlen_paired_tile(tile, vl, num_heads)
@@ -636,19 +715,7 @@ class FlashFwdSm90:
             seqlen_q = vl[0][batch + 1] - offset_q
             seqlen_k = vl[1][batch + 1] - offset_k
         head_kv = head // (num_heads // cute.size(mK.shape[2]))
-        n_block_max = cute.ceil_div(seqlen_k, BN)
-        # (query positions: the rows themselves unless pack_gqa, see q_pos)
-        if const_expr(self.mask_right):
-            # keys visible to the tile's last row i: j < i + 1 + Sk - Sq + win_right
-            n_block_max = cutlass.min(
-                n_block_max,
-                cute.ceil_div(cutlass.max(self.q_end(m_block) + seqlen_k - self.q_count(seqlen_q) + win_right, 0),
-                              BN))
-        n_block_min = Int32(0)
-        if const_expr(self.mask_left):
-            # first key visible to the tile's first row: i + Sk - Sq - win_left
-            n_block_min = cutlass.max(self.q_pos(m_block * BM) + seqlen_k - self.q_count(seqlen_q) - win_left,
-                                      0) // BN
+        n_block_min, n_block_max = self.key_block_bounds(m_block, seqlen_q, seqlen_k, win_left, win_right)
         if const_expr(self.varlen):
             # the grid covers max_seqlen_q: a tile past this sequence's end loads Q (harmless),
             # visits no key block and stores nothing (row predicates)
