@@ -52,6 +52,7 @@ def cmd_check(args) -> int:
     selected = [c for c in cases.CASES if not args.filter or args.filter.lower() in c.name.lower()]
     work = [(c, dt) for c in selected for dt in dtypes]
     rows, failures = [], 0
+    notes = []  # why a family serves none of a row (n/a), in full
     for i, (case, dt) in enumerate(work):
         _progress(i, len(work), f"{case.name} {str(dt)[6:]}")
         try:
@@ -73,7 +74,11 @@ def cmd_check(args) -> int:
                     from dataclasses import replace
                     impl, _ = dispatch.family_reasons(replace(call.spec, needs_grad=False), fam)
                 if impl is None:
-                    rows.append((case.name, str(dt)[6:], fam, "n/a", "; ".join(reasons)[:70], ""))
+                    # the reasons in full below the table (they are long; a cut one says nothing)
+                    text = "; ".join(reasons)
+                    if text not in notes:
+                        notes.append(text)
+                    rows.append((case.name, str(dt)[6:], fam, "n/a", f"why: note {notes.index(text) + 1}", ""))
                     continue
             fwd_only = call.spec.needs_grad and impl.can_implement(call.spec) is not None
             try:
@@ -107,6 +112,8 @@ def cmd_check(args) -> int:
     print(fmt.format(*header))
     for r in rows:
         print(fmt.format(*r))
+    for i, text in enumerate(notes):
+        print(f"note {i + 1}: {text}")
     ran = sum(1 for r in rows if r[3] in ("PASS", "FAIL"))
     print(f"\n{ran - failures} passed, {failures} failed ({'GPU ' + torch.cuda.get_device_name() if gpu else 'CPU'}; "
           f"{'large' if large else 'small'} shapes)")
