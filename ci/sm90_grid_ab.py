@@ -2,6 +2,7 @@
 launch memo cleared between them), on the bench's mask cells and its dense / GQA cells:
 
     python ci/sm90_grid_ab.py persistent   # the default grid against the persistent grid
+    python ci/sm90_grid_ab.py persistent 64   # the same on the dense causal cells of those head dims
     python ci/sm90_grid_ab.py q_stages     # the default Q buffers against one Q buffer
     python ci/sm90_grid_ab.py paired       # causal pairs of equal work against heaviest first
     python ci/sm90_grid_ab.py rescale 0    # the default rescale threshold against another (0: O
@@ -66,7 +67,9 @@ def main(knob: str, tiles: str = ""):
     timer = B.Timer(warmup=3, reps=10)
     fwd = B.standard_matrix(("fwd",))
     cells = B.filter_cells(fwd, groups=["window", "docs", "sparse"])
-    if knob == "persistent":
+    if knob == "persistent" and tiles:  # second argument: head dims of the dense causal cells
+        cells = B.filter_cells(fwd, groups=["dense"], head_dims=[int(h) for h in tiles.split(",")], causal=True)
+    elif knob == "persistent":
         cells += B.filter_cells(fwd, groups=["dense"], head_dims=[128, 256], causal=True)
         cells += B.filter_cells(fwd, groups=["gqa"], causal=True)
     elif knob == "stream_k" and tiles == "causal":
