@@ -470,7 +470,11 @@ def test_fast_sm90_launcher_packs_what_forward_packs(monkeypatch):
     call = S.build_dense(q, k, v, causal=True, return_lse=True)
     tail = (*impl.runtime_scalars(call.spec), 132)
     schema = impl.arg_schema(call.spec)
-    monkeypatch.setattr(impl, "_entry", lambda spec, device: ("entry", schema.pack, tail, None))
+    # (a causal call on the persistent grid carries the stream-K fields; none cut at this size)
+    monkeypatch.setattr(sm90, "_NUM_SMS_ENV", "132")  # (no GPU to ask)
+    plan = impl.stream_k_plan(call.spec, q.device) + (2, True) if impl.stream_k(call.spec) else None
+    assert plan is None or plan[0] == 0
+    monkeypatch.setattr(impl, "_entry", lambda spec, device: ("entry", schema.pack, tail, plan))
     launched = []
     # the launcher hands _launch a BoundLaunch and the five pointers; it packs them before its
     # fixed values (BoundLaunch's own CPU test shows that)
@@ -478,7 +482,7 @@ def test_fast_sm90_launcher_packs_what_forward_packs(monkeypatch):
     run = impl.direct_launcher(call)
     out, lse = run(q, k, v)
     assert out.shape == q.shape and out.is_contiguous() and lse.shape == (1, 4, 128)
-    expected = impl.pack_args(lambda *vals: vals, tail, q, k, v, out, lse)
+    expected = impl.pack_args(lambda *vals: vals, tail, q, k, v, out, lse, impl.no_cut_fields(call.spec))
     assert launched == [("entry", expected)]
     assert len(expected) == len(impl.arg_schema(call.spec).names)
     assert run(q[:, :, :, :].clone(), k, v) is not None and len(launched) == 2  # new data, same launcher
