@@ -670,11 +670,12 @@ def _summary(paths) -> None:
               "; ".join(c for c in r.get("checks", []) if "FAIL" in c.upper() or "vs without" in c)[:600])
 
 
-def _run_stream_k_graph_worker(out_path: str) -> None:
+def _run_stream_k_graph_worker(out_path: str, causal: bool = False) -> None:
     """A call that cuts tiles (stream-K) captured in a CUDA graph and replayed, beside eager calls
     on two streams: the counters the kernel leaves at zero (per stream when eager, zeroed by a
     memset node in the graph) must not leak between them. Every result bitwise equal to the
-    first eager one, which passes the oracle."""
+    first eager one, which passes the oracle. ``causal``: the paired order's cut units (32 pairs
+    on 20 CTAs: every one cut)."""
     import dualattn.fast.sm90 as sm90
     from dualattn.accuracy import check_outputs
     from dualattn.dispatch import select
@@ -685,7 +686,7 @@ def _run_stream_k_graph_worker(out_path: str) -> None:
     q = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
-    call = build_dense(q, k, v, return_lse=True)
+    call = build_dense(q, k, v, causal=causal, return_lse=True)
     impl = select(call.spec, "fast")
     rec = {"impl": impl.name, "sk_tiles": impl.stream_k_count(call.spec, q.device)}
     o_ref, lse_ref = impl.forward(call)
@@ -713,8 +714,9 @@ def _run_stream_k_graph_worker(out_path: str) -> None:
 
 
 @pytest.mark.gpu
-def test_stream_k_in_cuda_graphs_and_on_two_streams(tmp_path):
-    r = _subprocess_record("--stream-k-graph", tmp_path)
+@pytest.mark.parametrize("flag", ["--stream-k-graph", "--stream-k-graph-causal"])
+def test_stream_k_in_cuda_graphs_and_on_two_streams(tmp_path, flag):
+    r = _subprocess_record(flag, tmp_path)
     assert r["impl"] == "fast-sm90" and r["sk_tiles"] > 0, r
     assert r["ok"], "; ".join(r["checks"])
     assert r["bitwise"], "graph replays / other streams gave other bits"
@@ -726,5 +728,5 @@ if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
     _run_worker(sys.argv[2], sys.argv[3])
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--overhead":
     _run_overhead_worker(sys.argv[2])
-if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--stream-k-graph":
-    _run_stream_k_graph_worker(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1].startswith("--stream-k-graph"):
+    _run_stream_k_graph_worker(sys.argv[2], causal=sys.argv[1].endswith("-causal"))
