@@ -16,6 +16,8 @@ import torch
 from dualattn.spec import AttentionSpec
 
 cutlass = pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+import cutlass.cute as cute  # noqa: E402  (module level: the probes' annotations name it)
+from cutlass import Int32  # noqa: E402
 
 from dualattn.fast.common.sm90_pipeline import (  # noqa: E402
     PipelineConfigError, check_pipeline_config, check_smem_budget)
@@ -724,3 +726,57 @@ def test_hd256_key_tile_rule():
     assert tile_n(_spec(256, True, sq=1024, sk=1024, block_size=(bs.block_m, bs.block_n))) == 64
     kern = FORWARD.make_kernel(_spec(256, False, sq=8192, sk=8192))
     assert kern.tile_n == 64 and kern.smem_bytes <= 227 * 1024
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d, causal, window, sq_range, hq, hkv", [
+    (128, True, (-1, -1), (65, 3000), 4, 4),      # 128-row tiles
+    (64, True, (-1, -1), (4096, 9000), 4, 4),     # 3 warpgroups: 192-row tiles
+    (256, True, (-1, -1), (65, 2048), 4, 4),      # 64-key tiles
+    (128, True, (-1, -1), (1, 64), 32, 8),        # packed GQA rows (g = 4)
+    (128, False, (-1, 77), (65, 3000), 4, 2),     # a right window bound alone
+])
+def test_paired_key_blocks_transcribes_the_kernels_bounds(d, causal, window, sq_range, hq, hkv):
+    """The launch gives every pair of a stream-K call the length of the longest
+    (paired_key_blocks, a host transcription): were a tile longer in the kernel, its last key
+    blocks (the diagonal) would be dropped. The kernel's own key_block_bounds, compiled for the
+    host and run there, must give the same count for every query block, over random shapes."""
+    import random
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+
+    def spec_of(sq, sk):
+        return AttentionSpec("batched", 1, sq, sk, hq, hkv, d, d, torch.bfloat16, "cuda", causal=causal,
+                             window=window, return_lse=True)
+    base = spec_of(sq_range[0], sq_range[1])
+    assert FastSm90Forward.paired(base) and FastSm90Forward.stream_k(base)
+    kern = FastSm90Forward().make_kernel(base)
+
+    @cute.jit
+    def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32,
+              num_m: Int32):
+        out = cute.make_tensor(out_ptr, cute.make_layout((num_m, 2), stride=(2, 1)))
+        for m in cutlass.range(num_m, unroll=1):
+            lo, hi = kern.key_block_bounds(m, rows, seqlen_k, win_left, win_right)
+            out[m, 0] = lo
+            out[m, 1] = hi
+
+    fn = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0, 0)
+    rng = random.Random(5)
+    for _ in range(40):
+        sq = rng.randint(*sq_range)
+        # offsets next to a key-block edge catch an off-by-one in the bound
+        sk = rng.choice([sq, rng.randint(sq, 3 * sq + 200), rng.randint(max(sq // 2, 1), sq),
+                         sq + rng.choice([1, 2, 63, 64, 65, 127, 129])])
+        spec = spec_of(sq, sk)
+        assert FastSm90Forward.config(spec)[:2] == FastSm90Forward.config(base)[:2]
+        assert FastSm90Forward.pack_gqa(spec) == FastSm90Forward.pack_gqa(base)
+        g = FastSm90Forward.pack_gqa(spec)
+        num_m = -(-(g * sq) // kern.tile_m)
+        out = torch.full((num_m, 2), -7, dtype=torch.int32)
+        _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
+        fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq, sk, wl, wr, num_m)
+        key_blocks = FastSm90Forward.paired_key_blocks(spec)
+        got = [max(int(hi) - int(lo), 0) for lo, hi in out.tolist()]
+        assert got == [key_blocks(m) for m in range(num_m)], (sq, sk)

@@ -475,17 +475,29 @@ class FastSm90Forward:
         if not self.paired(spec):
             units, blocks = num_m_blocks * hb, n_key_blocks
         else:
-            win_right = self.runtime_scalars(spec)[2]
-
-            def key_blocks(m):  # FlashFwdSm90.key_block_bounds (q_end with pack_gqa = g; no left bound)
-                q_end = (m * tile_m + tile_m - 1) // g + 1
-                return min(n_key_blocks, -(-max(q_end + Sk - Sq + win_right, 0) // tile_n))
             units = paired_units(num_m_blocks, hb)
-            blocks, fewest = paired_unit_blocks(num_m_blocks, key_blocks)
+            blocks, fewest = paired_unit_blocks(num_m_blocks, self.paired_key_blocks(spec))
             if fewest == 0:
                 return 0, 0
         cut = stream_k_tiles(units, min(units, _num_sms(device)), blocks, tile_n, min_keys)
         return (cut, blocks) if cut else (0, 0)
+
+    @classmethod
+    def paired_key_blocks(cls, spec):
+        """``key_blocks(m_block)``: how many key blocks query block m_block of a paired call
+        without a left window bound visits; a transcription of FlashFwdSm90.key_block_bounds
+        (q_end with pack_gqa = g), which tests/test_compile_sm90.py checks against the
+        kernel's own code run on the host."""
+        tile_m, tile_n = cls.config(spec)[:2]
+        g = cls.pack_gqa(spec)
+        Sq, Sk = spec.seqlen_q, spec.seqlen_k
+        n_key_blocks = -(-Sk // tile_n)
+        win_right = cls.runtime_scalars(spec)[2]
+
+        def key_blocks(m):
+            q_end = (m * tile_m + tile_m - 1) // g + 1
+            return min(n_key_blocks, -(-max(q_end + Sk - Sq + win_right, 0) // tile_n))
+        return key_blocks
 
     def stream_k_count(self, spec, device) -> int:
         """Units of a stream-K call cut along the keys, 0 for none (stream_k_plan)."""
