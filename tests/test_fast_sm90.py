@@ -575,15 +575,9 @@ def _run_overhead_worker(out_path: str) -> None:
     import time
 
     from dualattn.accuracy import check_outputs
-    from dualattn.dispatch import select
     from dualattn.spec import build_dense
 
-    torch.manual_seed(0)
-    q = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
-    call = build_dense(q, k, v, causal=False, return_lse=True)
-    impl = select(call.spec, "fast")
+    q, k, v, call, impl = _seeded_call(1, 128, 2, 64)
     rec = {"impl": impl.name}
     impl.forward(call)  # compile + first launch
     torch.cuda.synchronize()
@@ -670,6 +664,18 @@ def _summary(paths) -> None:
               "; ".join(c for c in r.get("checks", []) if "FAIL" in c.upper() or "vs without" in c)[:600])
 
 
+def _seeded_call(B, S, H, D, causal=False):
+    """(q, k, v, call, impl): seeded bf16 self-attention on cuda and the fast implementation
+    the dispatcher picks for it (the subprocess workers below)."""
+    from dualattn.dispatch import select
+    from dualattn.spec import build_dense
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    call = build_dense(q, k, v, causal=causal, return_lse=True)
+    return q, k, v, call, select(call.spec, "fast")
+
+
 def _run_stream_k_graph_worker(out_path: str, causal: bool = False) -> None:
     """A call that cuts tiles (stream-K) captured in a CUDA graph and replayed, beside eager calls
     on two streams: the counters the kernel leaves at zero (per stream when eager, zeroed by a
@@ -678,16 +684,10 @@ def _run_stream_k_graph_worker(out_path: str, causal: bool = False) -> None:
     on 20 CTAs: every one cut)."""
     import dualattn.fast.sm90 as sm90
     from dualattn.accuracy import check_outputs
-    from dualattn.dispatch import select
-    from dualattn.spec import build_dense
 
-    sm90._NUM_SMS_ENV, sm90._STREAM_K_MIN_KEYS_ENV = "20", "0"  # 64 tiles on 20 CTAs: 24 cut
-    torch.manual_seed(0)
-    q = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16)
-    call = build_dense(q, k, v, causal=causal, return_lse=True)
-    impl = select(call.spec, "fast")
+    # 64 tiles on 20 CTAs: 24 cut; causal: 32 pairs on 20 CTAs, every one cut
+    sm90._NUM_SMS_ENV, sm90._STREAM_K_MIN_KEYS_ENV = "20", "0"
+    q, k, v, call, impl = _seeded_call(2, 1000, 4, 128, causal)
     rec = {"impl": impl.name, "sk_tiles": impl.stream_k_count(call.spec, q.device)}
     o_ref, lse_ref = impl.forward(call)
     torch.cuda.synchronize()

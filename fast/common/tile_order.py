@@ -175,12 +175,13 @@ def stream_k_piece(cta, piece, num_ctas, sk_tiles, blocks_per_tile, maximum, min
 # blocks are its heavier tile's, then its lighter one's, and ``unit_blocks`` (the most any unit
 # holds; the launch computes it, FastSm90Forward.stream_k_plan) is the length every unit is given
 # in stream_k_piece; a unit holding fewer leaves the rest of its length empty. A tile holds fewer
-# than unit_blocks <= a CTA's share of key blocks, so it too is cut at most once, and a unit's tiles at most once between them: the
-# merge record of a cut tile is its unit's number among the cut units. H100, bf16, CUDA-graph
-# replays interleaved, three runs (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py stream_k causal),
-# time cut / uncut: hd128 causal 4k 0.954-1.008, 8k 0.986-0.989, 16k 0.965-0.975; GQA 32/8 causal
-# 8k 0.974-0.976; hd64 causal 4k 0.936-0.989, 8k 0.976-0.979; with no key minimum the short pairs
-# lost (hd128 causal 512 / 1k / 2k: 1.129 / 1.090 / 1.040), so STREAM_K_MIN_KEYS holds for a pair.
+# than unit_blocks <= a CTA's share of key blocks, so it too is cut at most once, and a unit's
+# tiles at most once between them: the merge record of a cut tile is its unit's number among the
+# cut units. H100, bf16, CUDA-graph replays interleaved, three runs (DUALATTN_AB_GRAPH=1 python
+# ci/sm90_grid_ab.py stream_k causal), time cut / uncut: hd128 causal 4k 0.954-1.008, 8k
+# 0.986-0.989, 16k 0.965-0.975; GQA 32/8 causal 8k 0.974-0.976; hd64 causal 4k 0.936-0.989, 8k
+# 0.976-0.979; with no key minimum the short pairs lost (hd128 causal 512 / 1k / 2k: 1.129 /
+# 1.090 / 1.040), so STREAM_K_MIN_KEYS holds for a pair.
 
 def tile_share(unit_start, unit_end, first, blocks, maximum, minimum):
     """[start, end) of a tile's own key blocks (0 .. blocks) that a piece [unit_start, unit_end)

@@ -520,8 +520,8 @@ class FastSm90Forward:
         at zero, so they are kept per (device, stream) and reused (streams never share them);
         during a CUDA graph capture they are made zero in the graph instead (a memset node)."""
         cut, unit_blocks, groups, paired = plan
-        if cut == 0:
-            return (0, 0, 0, 0) if paired else (0, 0, 0)
+        if cut == 0:  # (no_cut_fields, without asking the spec again)
+            return (0, 0, 0) + ((0,) if paired else ())
         ws = torch.empty(cut * groups * 128 * (spec.head_dim_v // 2 + 4), dtype=torch.float32,
                          device=device)
         n_counters = cut * groups
@@ -645,8 +645,9 @@ class FastSm90Forward:
 
     def _entry(self, spec, device):
         """(compiled fn, schema.pack, runtime scalars + num_sms, stream-K plan: (cut units, key
-        blocks per unit, tile_m / 64, paired) or None without stream-K) for a spec on a device; memoised per (spec,
-        device) so a repeated call does no key building, device queries or stream-K planning."""
+        blocks per unit, tile_m / 64, paired) or None without stream-K) for a spec on a device;
+        memoised per (spec, device) so a repeated call does no key building, device queries or
+        stream-K planning."""
         ek = (spec, device.index)
         hit = self._entries.get(ek)
         if hit is not None:
