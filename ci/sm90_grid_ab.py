@@ -20,11 +20,13 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                                      # override, on that head dim's dense cells
 
 DUALATTN_AB_GRAPH=1 times CUDA-graph replays (each variant captured once, the replays interleaved,
-five rounds): the kernels alone, without either variant's host path.
+five rounds): the kernels alone, without either variant's host path. DUALATTN_AB_CELLS=REGEX keeps
+the cells whose label matches it (re.search).
 
 The figures behind fast/sm90's _short_masked_tiles, FastSm90Forward.q_stages and .paired came from it.
 """
 import os
+import re
 import statistics
 import sys
 from dataclasses import replace
@@ -35,6 +37,7 @@ import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
 
 GRAPH = os.environ.get("DUALATTN_AB_GRAPH", "") == "1"
+CELLS = os.environ.get("DUALATTN_AB_CELLS", "")
 KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer"),
          "paired": ("_PAIRED_ENV", "0", "heaviest first"),
          "varlen_sections": ("_VARLEN_SECTIONS_ENV", "0", "across all"),
@@ -101,6 +104,7 @@ def main(knob: str, tiles: str = ""):
         cells += B.filter_cells(fwd, groups=["dense"], head_dims=[128], seqlens=[1024, 8192])
     else:
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], head_dims=[64, 96, 128])
+    cells = [c for c in cells if re.search(CELLS, c.label())]
     for cell in cells:
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]

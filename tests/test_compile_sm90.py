@@ -83,13 +83,18 @@ def test_compiles_for_sm90a_with_wgmma_loop(d, causal, dtype):
 
 @pytest.mark.compile_only
 def test_compile_key_is_explicit_and_shape_free():
-    a, b = _spec(sq=100, sk=7000), _spec(sq=4096, sk=33)
-    assert FORWARD.compile_key(a, 90) == FORWARD.compile_key(b, 90)  # shapes never recompile
+    key = FORWARD.compile_key
+    a, b = _spec(sq=100, sk=7000), _spec(sq=4096, sk=5000)
+    assert key(a, 90) == key(b, 90)  # shapes never recompile
+    short_a, short_b = _spec(sq=100, sk=33), _spec(sq=4096, sk=3000)
+    assert key(short_a, 90) == key(short_b, 90)
+    # ... except that keys too few to cut (stream-K) pick the kernel without that code
+    assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, "sm_90a")
-    # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls
-    assert FORWARD.compile_key(_spec(192), 90)[16] is True
+    # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls with the keys
+    assert FORWARD.compile_key(_spec(192, sk=8192), 90)[16] is True
     # the paired causal order is compiled in (persistent causal grids only)
     assert FORWARD.compile_key(_spec(64, True), 90)[-6] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
@@ -123,14 +128,17 @@ def test_window_and_softcap_configs_compile(kw):
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_stream_k_merge_only_in_equal_work_configs(d):
     """Non-causal batched configs and the paired causal ones carry the stream-K merge (gpu-scope
-    atomics on the counters, release / acquire around the workspace, gpu-scope fences);
-    windowed configs (a sliding causal window too: short pairs of unequal work) carry none of
-    it, and their argument schema has no stream-K fields. The paired ones take the length of a
-    unit as well."""
-    plain, causal, window = _spec(d), _spec(d, causal=True), _spec(d, window=(100, 100))
-    sliding = _spec(d, causal=True, window=(64, -1))
-    assert FastSm90Forward.paired(causal)
-    for spec in (plain, causal):
+    atomics on the counters, release / acquire around the workspace, gpu-scope fences) where
+    their units have the keys to be cut; windowed configs (a sliding causal window too: short
+    pairs of unequal work) and calls with too few keys carry none of it, and their argument
+    schema has no stream-K fields. The paired ones take the length of a unit as well. hd256
+    causal pairs only short calls (one CTA per tile from 4k): never enough keys to cut."""
+    plain, causal = _spec(d, sq=4096, sk=4096), _spec(d, causal=True, sq=4096, sk=4096)
+    window, sliding = _spec(d, window=(100, 100)), _spec(d, causal=True, window=(64, -1))
+    short, short_causal = _spec(d, sq=4096, sk=3000), _spec(d, causal=True, sq=3000, sk=3000)
+    equal_work = (plain, causal) if d < 256 else (plain,)
+    assert FastSm90Forward.paired(_spec(d, True)) and (d == 256 or FastSm90Forward.paired(causal))
+    for spec in equal_work:
         assert FastSm90Forward.stream_k(spec)
         ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
         atoms = [ln.strip() for ln in ptx.splitlines() if "atom." in ln]
@@ -138,8 +146,14 @@ def test_stream_k_merge_only_in_equal_work_configs(d):
         assert any(".release." in a and ".add." in a for a in atoms), atoms
         assert any(".acquire." in a for a in atoms) and "fence.acq_rel.gpu" in ptx, atoms
         assert "sk_workspace" in FastSm90Forward.arg_schema(spec).names
-    assert "sk_unit_blocks" in FastSm90Forward.arg_schema(causal).names
+    if d < 256:
+        assert "sk_unit_blocks" in FastSm90Forward.arg_schema(causal).names
+    else:
+        assert not any(FastSm90Forward.stream_k(_spec(d, True, sq=n, sk=n)) for n in (1000, 2048, 4096, 16384))
     assert "sk_unit_blocks" not in FastSm90Forward.arg_schema(plain).names
+    for other in (short, short_causal, _spec(d, True)):
+        assert not FastSm90Forward.stream_k(other)
+        assert "sk_workspace" not in FastSm90Forward.arg_schema(other).names
     for other in (window, sliding):
         assert not FastSm90Forward.stream_k(other)
         assert "atom." not in FastSm90Forward().compile_only(other, arch=90).__ptx__
@@ -750,7 +764,7 @@ def test_paired_key_blocks_transcribes_the_kernels_bounds(d, causal, window, sq_
         return AttentionSpec("batched", 1, sq, sk, hq, hkv, d, d, torch.bfloat16, "cuda", causal=causal,
                              window=window, return_lse=True)
     base = spec_of(sq_range[0], sq_range[1])
-    assert FastSm90Forward.paired(base) and FastSm90Forward.stream_k(base)
+    assert FastSm90Forward.paired(base) and base.window[0] < 0  # (a call stream-K may cut)
     kern = FastSm90Forward().make_kernel(base)
 
     @cute.jit

@@ -450,36 +450,49 @@ class FastSm90Forward:
         (2048 tiles on 132 SMs). Units of equal work only: the tiles of non-causal batched calls
         without windows, key ranges or a CSR, or the pairs of the paired causal order (batched,
         no left window bound: its pairs are short and not of equal work; tile_order.tile_share).
+        Compiled in only where a unit reaches the key minimum (stream_k_units): the code is
+        not free where it can never cut. H100, bf16, CUDA-graph replays interleaved, two runs
+        (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py stream_k causal), time with the uncut
+        code / without it: hd64 causal 512 / 1k / 2k 1.023-1.028 / 1.021-1.027 / 1.016-1.017,
+        hd128 causal 1.016-1.023 / 1.010-1.013 / 1.008, GQA 32/8 causal 2k 1.006-1.008;
+        non-causal 512-2k 0.99-1.01 (GQA 32/8 2k 1.017-1.020). So a shape picks one of two
+        kernels per config, never a kernel per shape.
         DUALATTN_SM90_STREAM_K=0 turns it off (comparisons)."""
         plain = not spec.causal and spec.window == (-1, -1)
         return (cls.config(spec)[5] and spec.mode == "batched" and not spec.has_key_ranges
                 and not spec.has_block_sparse and _STREAM_K_ENV != "0"
-                and (plain or (cls.paired(spec) and spec.window[0] < 0)))
+                and (plain or (cls.paired(spec) and spec.window[0] < 0))
+                and cls.stream_k_units(spec)[1] > 0)
+
+    @classmethod
+    def stream_k_units(cls, spec) -> Tuple[int, int]:
+        """(units, key blocks per unit) of a persistent call's order, from its shapes: a unit is
+        a tile, or with the paired order a pair of tiles, given the key blocks of the pair that
+        visits most (tile_order.paired_unit_blocks, from the kernel's per-tile bounds,
+        FlashFwdSm90.key_block_bounds). (units, 0) where no unit can be cut: its keys are under
+        the minimum (tile_order.STREAM_K_MIN_KEYS), or a paired call has a tile that visits no
+        key block (that tile's piece would be empty, so no one would store it)."""
+        tile_m, tile_n = cls.config(spec)[:2]
+        g = cls.pack_gqa(spec)
+        num_m_blocks = -(-(g * spec.seqlen_q) // tile_m)
+        hb = spec.batch * (spec.num_heads_q // g)
+        min_keys = int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
+        if not cls.paired(spec):
+            units, blocks, fewest = num_m_blocks * hb, -(-spec.seqlen_k // tile_n), 1
+        else:
+            units = paired_units(num_m_blocks, hb)
+            blocks, fewest = paired_unit_blocks(num_m_blocks, cls.paired_key_blocks(spec))
+        return units, (blocks if fewest > 0 and blocks * tile_n >= min_keys else 0)
 
     def stream_k_plan(self, spec, device) -> Tuple[int, int]:
         """(cut units, key blocks per unit) of a stream-K call, (0, 0) where nothing is cut
-        (tile_order.stream_k_tiles). A unit is a tile, or with the paired order a pair of
-        tiles, given the key blocks of the pair that visits most (tile_order.paired_unit_blocks,
-        from the kernel's per-tile bounds, FlashFwdSm90.key_block_bounds); a paired call with a
-        tile that visits no key block is not cut (that tile's piece would be empty, so no one
-        would store it). From the spec's shapes: the launch memo (_entry) keeps it."""
+        (tile_order.stream_k_tiles, on this device's SMs; stream_k_units). From the spec's
+        shapes: the launch memo (_entry) keeps it."""
         if not self.stream_k(spec):
             return 0, 0
-        tile_m, tile_n = self.config(spec)[:2]
-        g = self.pack_gqa(spec)
-        Sq, Sk = spec.seqlen_q, spec.seqlen_k
-        n_key_blocks = -(-Sk // tile_n)
-        num_m_blocks = -(-(g * Sq) // tile_m)
-        hb = spec.batch * (spec.num_heads_q // g)
+        units, blocks = self.stream_k_units(spec)
         min_keys = int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
-        if not self.paired(spec):
-            units, blocks = num_m_blocks * hb, n_key_blocks
-        else:
-            units = paired_units(num_m_blocks, hb)
-            blocks, fewest = paired_unit_blocks(num_m_blocks, self.paired_key_blocks(spec))
-            if fewest == 0:
-                return 0, 0
-        cut = stream_k_tiles(units, min(units, _num_sms(device)), blocks, tile_n, min_keys)
+        cut = stream_k_tiles(units, min(units, _num_sms(device)), blocks, self.config(spec)[1], min_keys)
         return (cut, blocks) if cut else (0, 0)
 
     @classmethod
