@@ -9,6 +9,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                            # rescaled at every new max), on the dense cells
     python ci/sm90_grid_ab.py rescale_before_pv [64,128]   # O rescaled while the next Q K^T
                                            # runs against after the P V wait, on those head dims
+    python ci/sm90_grid_ab.py reduce_chains 1   # the softmax's row max / sum in the default
+                                                # partial chains against one serial chain
     python ci/sm90_grid_ab.py wg_epilogue  # per-warpgroup epilogues against one for all warpgroups
     python ci/sm90_grid_ab.py stream_k     # the last rounds cut along the keys against uncut, on
                                            # the non-causal dense / GQA cells and shapes of whole rounds
@@ -44,7 +46,8 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold"),  # value: the second argument
          "rescale_before_pv": ("", "1", "rescale before P V"),
          "wg_epilogue": ("_WG_EPILOGUE_ENV", "0", "one epilogue"),
-         "stream_k": ("_STREAM_K_ENV", "0", "no cuts")}
+         "stream_k": ("_STREAM_K_ENV", "0", "no cuts"),
+         "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 
 def _set_tiles(_module, _attr, value):
@@ -98,6 +101,8 @@ def main(knob: str, tiles: str = ""):
         hds = [int(h) for h in (tiles or "128,256").split(",")]
         cells = B.filter_cells(fwd, groups=["dense"], head_dims=hds, seqlens=[1024, 4096, 16384])
         cells += B.filter_cells(fwd, groups=["gqa"]) if not tiles else []
+    elif knob == "reduce_chains":  # dense and GQA cells (DUALATTN_AB_CELLS picks)
+        cells = B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
         wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
         cells = wide + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in wide]

@@ -54,6 +54,8 @@ _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
+# partial results per row in the softmax's reductions (FastSm90Forward.reduce_chains), comparisons
+_REDUCE_CHAINS_ENV = os.environ.get("DUALATTN_SM90_REDUCE_CHAINS", "")
 # the SM count the persistent grid is sized by (tests: a small grid makes cut tiles at small shapes)
 _NUM_SMS_ENV = os.environ.get("DUALATTN_SM90_NUM_SMS", "")
 
@@ -363,7 +365,7 @@ class FastSm90Forward:
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
-                arch_string(arch))
+                self.reduce_chains(spec), arch_string(arch))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -377,6 +379,22 @@ class FastSm90Forward:
         if _RESCALE_THRESHOLD_ENV:
             return float(_RESCALE_THRESHOLD_ENV)
         return RESCALE_THRESHOLD if spec.head_dim_v >= RESCALE_THRESHOLD_MIN_DV else 0.0
+
+    @staticmethod
+    def reduce_chains(spec) -> int:
+        """Independent partial results per row in the online softmax's max and sum
+        (FlashFwdSm90.online_softmax): 4 at D = Dv = 128, else one serial chain. A thread's row
+        max over its 32 scores was a chain of 32 dependent FMNMX (and the sum of 32 FADD), on
+        the path from the Q K^T wait to the P V issue. H100, bf16, CUDA-graph replays
+        interleaved, two runs (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py reduce_chains 1),
+        time with 4 chains / with 1: hd128 causal 4k / 8k / 16k 0.957-0.988 / 0.975-0.982 /
+        0.982-0.983, GQA 32/8 causal 2k / 8k 0.983-0.986 / 0.939-0.982, hd128 non-causal
+        0.98-1.01; hd64 lost (causal 1k-16k 1.02-1.08 slower, non-causal 0.95-1.02; 2 or 8
+        chains lost too) and hd256 did not move (0.99-1.01). DUALATTN_SM90_REDUCE_CHAINS
+        overrides it (comparisons)."""
+        if _REDUCE_CHAINS_ENV:
+            return int(_REDUCE_CHAINS_ENV)
+        return 4 if spec.head_dim == spec.head_dim_v == 128 else 1
 
     @classmethod
     def rescale_before_pv(cls, spec) -> bool:
@@ -571,7 +589,8 @@ class FastSm90Forward:
                             paired=self.paired(spec), varlen_sections=self.varlen_sections(spec),
                             wg_epilogue=self.wg_epilogue(spec), stream_k=self.stream_k(spec),
                             rescale_threshold=self.rescale_threshold(spec),
-                            rescale_before_pv=self.rescale_before_pv(spec))
+                            rescale_before_pv=self.rescale_before_pv(spec),
+                            reduce_chains=self.reduce_chains(spec))
 
     @staticmethod
     def arg_schema(spec):

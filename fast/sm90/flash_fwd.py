@@ -149,6 +149,13 @@ class _CsrBlockSteps:
         return self.kern.one_block(self.ctx, masked, n_block, kv_state, mask_entry)
 
 
+def _tree(vals, op):
+    """op over a list of values as a balanced tree (trace time): log2(n) dependent steps."""
+    while len(vals) > 1:
+        vals = [op(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
 class FlashFwdSm90:
     """Forward kernel for one static configuration (see fast/sm90/__init__ for the cache key)."""
 
@@ -165,8 +172,12 @@ class FlashFwdSm90:
                  num_key_ranges: int = 0, block_sparse: bool = False, write_lse: bool = True,
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
-                 varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False):
+                 varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
+                 reduce_chains: int = 1):
         self.dtype = dtype
+        # independent partial results per row in the softmax's max and sum (online_softmax)
+        assert reduce_chains in (1, 2, 4, 8)
+        self.reduce_chains = reduce_chains
         # intra-warpgroup overlap: O rescaled by the previous block's corrections while this
         # block's Q K^T runs, before its P V is issued, instead of after the P V wait
         assert not (rescale_before_pv and (rescale_threshold > 0.0 or not overlap))
@@ -1495,11 +1506,17 @@ class FlashFwdSm90:
         row of this thread moved its max (with a rescale threshold; else True).
         """
         moved = Boolean(self.rescale_threshold <= 0.0)
+        ncols = cute.size(acc_S_mn, mode=[1])
+        # row max and row sum over `chains` independent partial results, combined at the end:
+        # one serial chain of ncols dependent FMNMX / FADD is latency, not throughput
+        chains = self.reduce_chains if ncols % self.reduce_chains == 0 else 1
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             m_old = ctx.row_max[r]
-            m = m_old
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                m = cute.arch.fmax(m, acc_S_mn[r, c])
+            part = [acc_S_mn[r, i] for i in range(chains)]
+            part[0] = cute.arch.fmax(m_old, part[0])
+            for c in cutlass.range_constexpr(chains, ncols):
+                part[c % chains] = cute.arch.fmax(part[c % chains], acc_S_mn[r, c])
+            m = _tree(part, cute.arch.fmax)
             m = cute.arch.warp_reduction_max(m, threads_in_group=4)
             if const_expr(self.rescale_threshold > 0.0):
                 # keep the running max while the new one exceeds it by at most the threshold
@@ -1516,12 +1533,12 @@ class FlashFwdSm90:
             if const_expr(self.rescale_threshold > 0.0):
                 c_r = cutlass.select_(m == m_old, Float32(1.0), c_r)
                 moved = moved | (m != m_old)
-            s = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            sums = [Float32(0.0)] * chains
+            for c in cutlass.range_constexpr(ncols):
                 p = cute.math.exp2(acc_S_mn[r, c] * ctx.scale_log2 - m_scaled, fastmath=True)
                 acc_S_mn[r, c] = p
-                s += p
-            ctx.row_sum[r] = ctx.row_sum[r] * c_r + s
+                sums[c % chains] = p if c < chains else sums[c % chains] + p
+            ctx.row_sum[r] = ctx.row_sum[r] * c_r + _tree(sums, lambda a, b: a + b)
             corr[r] = c_r
         return moved
 
