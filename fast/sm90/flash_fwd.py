@@ -46,7 +46,7 @@ from cutlass.utils import LayoutEnum
 
 from cutlass import Boolean
 
-from dualattn.fast.common.softmax import merge_scales, mul_rn
+from dualattn.fast.common.softmax import merge_scales, mul_rn, tree_reduce
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_slot,
@@ -147,13 +147,6 @@ class _CsrBlockSteps:
         if const_expr(self.kern.overlap):
             return self.kern.overlapped_block(self.ctx, masked, n_block, kv_state, self.tOrP, mask_entry)
         return self.kern.one_block(self.ctx, masked, n_block, kv_state, mask_entry)
-
-
-def _tree(vals, op):
-    """op over a list of values as a balanced tree (trace time): log2(n) dependent steps."""
-    while len(vals) > 1:
-        vals = [op(vals[i], vals[i + 1]) if i + 1 < len(vals) else vals[i] for i in range(0, len(vals), 2)]
-    return vals[0]
 
 
 class FlashFwdSm90:
@@ -1516,7 +1509,7 @@ class FlashFwdSm90:
             part[0] = cute.arch.fmax(m_old, part[0])
             for c in cutlass.range_constexpr(chains, ncols):
                 part[c % chains] = cute.arch.fmax(part[c % chains], acc_S_mn[r, c])
-            m = _tree(part, cute.arch.fmax)
+            m = tree_reduce(part, cute.arch.fmax)
             m = cute.arch.warp_reduction_max(m, threads_in_group=4)
             if const_expr(self.rescale_threshold > 0.0):
                 # keep the running max while the new one exceeds it by at most the threshold
@@ -1538,7 +1531,7 @@ class FlashFwdSm90:
                 p = cute.math.exp2(acc_S_mn[r, c] * ctx.scale_log2 - m_scaled, fastmath=True)
                 acc_S_mn[r, c] = p
                 sums[c % chains] = p if c < chains else sums[c % chains] + p
-            ctx.row_sum[r] = ctx.row_sum[r] * c_r + _tree(sums, lambda a, b: a + b)
+            ctx.row_sum[r] = ctx.row_sum[r] * c_r + tree_reduce(sums, lambda a, b: a + b)
             corr[r] = c_r
         return moved
 
