@@ -54,6 +54,13 @@ _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
+
+
+def _stream_k_min_keys() -> int:
+    """Keys a unit must visit to be cut (read at call time: tests set the override)."""
+    return int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
+
+
 # partial results per row in the softmax's reductions (FastSm90Forward.reduce_chains), comparisons
 _REDUCE_CHAINS_ENV = os.environ.get("DUALATTN_SM90_REDUCE_CHAINS", "")
 # the SM count the persistent grid is sized by (tests: a small grid makes cut tiles at small shapes)
@@ -476,11 +483,15 @@ class FastSm90Forward:
         non-causal 512-2k 0.99-1.01 (GQA 32/8 2k 1.017-1.020). So a shape picks one of two
         kernels per config, never a kernel per shape.
         DUALATTN_SM90_STREAM_K=0 turns it off (comparisons)."""
+        return cls._stream_k_order(spec) and cls.stream_k_units(spec)[1] > 0
+
+    @classmethod
+    def _stream_k_order(cls, spec) -> bool:
+        """The call's persistent order has units of equal work (stream_k, before the keys)."""
         plain = not spec.causal and spec.window == (-1, -1)
-        return (cls.config(spec)[5] and spec.mode == "batched" and not spec.has_key_ranges
-                and not spec.has_block_sparse and _STREAM_K_ENV != "0"
-                and (plain or (cls.paired(spec) and spec.window[0] < 0))
-                and cls.stream_k_units(spec)[1] > 0)
+        return bool(cls.config(spec)[5] and spec.mode == "batched" and not spec.has_key_ranges
+                    and not spec.has_block_sparse and _STREAM_K_ENV != "0"
+                    and (plain or (cls.paired(spec) and spec.window[0] < 0)))
 
     @classmethod
     def stream_k_units(cls, spec) -> Tuple[int, int]:
@@ -494,7 +505,7 @@ class FastSm90Forward:
         g = cls.pack_gqa(spec)
         num_m_blocks = -(-(g * spec.seqlen_q) // tile_m)
         hb = spec.batch * (spec.num_heads_q // g)
-        min_keys = int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
+        min_keys = _stream_k_min_keys()
         if not cls.paired(spec):
             units, blocks, fewest = num_m_blocks * hb, -(-spec.seqlen_k // tile_n), 1
         else:
@@ -506,11 +517,13 @@ class FastSm90Forward:
         """(cut units, key blocks per unit) of a stream-K call, (0, 0) where nothing is cut
         (tile_order.stream_k_tiles, on this device's SMs; stream_k_units). From the spec's
         shapes: the launch memo (_entry) keeps it."""
-        if not self.stream_k(spec):
+        if not self._stream_k_order(spec):
             return 0, 0
         units, blocks = self.stream_k_units(spec)
-        min_keys = int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
-        cut = stream_k_tiles(units, min(units, _num_sms(device)), blocks, self.config(spec)[1], min_keys)
+        if blocks == 0:
+            return 0, 0
+        cut = stream_k_tiles(units, min(units, _num_sms(device)), blocks, self.config(spec)[1],
+                             _stream_k_min_keys())
         return (cut, blocks) if cut else (0, 0)
 
     @classmethod
