@@ -9,21 +9,16 @@ ships, disassembled by its cuobjdump. Guards two code-generation regressions fou
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
 pytest.importorskip("cutlass")
-import triton  # noqa: E402  (a dependency of the package: its ptxas and cuobjdump do the work here)
 
 from dualattn.spec import AttentionSpec  # noqa: E402
 from dualattn.fast.sm90 import FastSm90Forward  # noqa: E402
-
-_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
+from dualattn.fast.sm90.sass import assemble, key_block_loops, loop_budget, steady_loop  # noqa: E402
 
 def _spec(d, causal, sq, **kw):
     return AttentionSpec("batched", 2, sq, sq, 8, 8, d, d, torch.bfloat16, "cuda", causal=causal,
@@ -48,33 +43,19 @@ CONFIGS = [
 ]
 
 
-def _assemble(ptx: str, tmp_path):
-    # a Triton without these tools fails the test (it must not silently stop checking)
-    for tool in ("ptxas", "cuobjdump"):
-        assert os.path.exists(os.path.join(_BIN, tool)), f"Triton ships no {tool} at {_BIN}"
-    src, obj = tmp_path / "k.ptx", tmp_path / "k.cubin"
-    src.write_text(ptx)
-    r = subprocess.run([os.path.join(_BIN, "ptxas"), "-arch=sm_90a", "-v", str(src), "-o", str(obj)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-    sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", str(obj)], capture_output=True, text=True,
-                          timeout=120).stdout
-    return r.stderr, [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
-
-
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,spec,spill_bytes", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_sass_has_no_select_chain_no_spills_no_injected_arrives(name, spec, spill_bytes, tmp_path):
     tile_m, tile_n = FastSm90Forward.config(spec)[:2]
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
-    log, sass = _assemble(ptx, tmp_path)
+    log, sass = assemble(ptx, str(tmp_path))
     assert "C7519" not in log, "ptxas injected warpgroup.arrive before a wgmma"
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and max(spills) <= spill_bytes, log[-500:]
     assert any("HGMMA" in ln for ln in sass)
     # whatever spills stays out of the key-block loops (the innermost loops that issue HGMMA)
-    loops = _key_block_loops(sass)
+    loops = key_block_loops(sass)
     assert loops
     for lo, hi in loops:
         local = [ln for ln in sass[lo:hi + 1] if re.search(r"\b(STL|LDL)\b", ln)]
@@ -85,25 +66,6 @@ def test_sass_has_no_select_chain_no_spills_no_injected_arrives(name, spec, spil
     per_thread = 64 * tile_n // 128
     fsel = sum("FSEL" in ln for ln in sass)
     assert fsel <= 8 * per_thread, (name, fsel)
-
-
-def _key_block_loops(sass):
-    """(first, last) line indices of the innermost loops whose body issues HGMMA: a backward
-    branch's target up to the branch, with no other such loop inside. Branches past the last
-    EXIT are left out: ptxas puts the mbarrier wait retries there, out of line, each jumping
-    back into the code it came from (not a loop of that code)."""
-    addr = [int(re.match(r"\s+/\*([0-9a-f]+)\*/", ln).group(1), 16) for ln in sass]
-    index = {a: i for i, a in enumerate(addr)}
-    last_exit = max(i for i, ln in enumerate(sass) if re.search(r"\bEXIT\b", ln))
-    spans = []
-    for i, ln in enumerate(sass[:last_exit]):
-        m = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", ln)
-        if m and int(m.group(1), 16) < addr[i] and int(m.group(1), 16) in index:
-            lo = index[int(m.group(1), 16)]
-            if any("HGMMA" in x for x in sass[lo:i + 1]):
-                spans.append((lo, i))
-    return [(lo, hi) for lo, hi in spans
-            if not any((lo, hi) != (a, b) and lo <= a and b <= hi for a, b in spans)]
 
 
 def _guarded_runs(sass, length):
@@ -128,5 +90,26 @@ def test_sass_skips_o_rescale_behind_a_branch_where_the_threshold_is_on(d, on, t
     (FastSm90Forward.rescale_threshold); below, O is rescaled unconditionally."""
     spec = _spec(d, False, 8192)
     assert (FastSm90Forward.rescale_threshold(spec) > 0) == on
-    _, sass = _assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, tmp_path)
+    _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
     assert (_guarded_runs(sass, d // 2) > 0) == on
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d,causal,sq", [(64, False, 8192), (128, True, 4096), (256, False, 8192)])
+def test_steady_loop_issues_one_block_and_its_exponentials_within_budget(d, causal, sq, tmp_path):
+    """The unmasked key-block loop issues exactly one key block's GEMMs (S = Q K^T and O += P V of
+    a 64-row warpgroup tile) and one MUFU per exponential the softmax needs: tile_n / 2 scores
+    and 2 row corrections per thread. At hd64 the MUFU time already matches the tensor cores'
+    (ci/sm90_loop_budget.py: 1584 against 1536 clocks per key block and sub-partition), and the
+    loop's issue must stay under 0.9 of the tensor time (today 0.84): instructions added there
+    cost speed directly (docs section 23)."""
+    spec = _spec(d, causal, sq)
+    tile_m, tile_n = FastSm90Forward.config(spec)[:2]
+    _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
+    lo, hi = steady_loop(sass)
+    budget = loop_budget(sass[lo:hi + 1], tile_m // 64)
+    assert budget["tensor_clk"] * 4096 == (tile_m // 64) * 2 * 64 * tile_n * 2 * d, budget
+    assert budget["mufu"] == tile_n // 2 + 2, budget
+    if d == 64:
+        assert budget["issue_clk"] <= 0.9 * budget["tensor_clk"], budget
