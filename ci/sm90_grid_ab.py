@@ -12,8 +12,6 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py reduce_chains 1   # the softmax's row max / sum in the default
                                                 # partial chains against one serial chain
     python ci/sm90_grid_ab.py wg_epilogue  # per-warpgroup epilogues against one for all warpgroups
-    python ci/sm90_grid_ab.py wg_key_bound # a warpgroup's own key bound (hidden top blocks passed)
-                                           # against the tile's, on the causal hd256 cells
     python ci/sm90_grid_ab.py stream_k     # the last rounds cut along the keys against uncut, on
                                            # the non-causal dense / GQA cells and shapes of whole rounds
     python ci/sm90_grid_ab.py stream_k causal   # the same for the paired causal order, on the
@@ -48,7 +46,6 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold"),  # value: the second argument
          "rescale_before_pv": ("", "1", "rescale before P V"),
          "wg_epilogue": ("_WG_EPILOGUE_ENV", "0", "one epilogue"),
-         "wg_key_bound": ("_WG_KEY_BOUND_ENV", "1", "own key bound"),
          "stream_k": ("_STREAM_K_ENV", "0", "no cuts"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
@@ -104,9 +101,6 @@ def main(knob: str, tiles: str = ""):
         hds = [int(h) for h in (tiles or "128,256").split(",")]
         cells = B.filter_cells(fwd, groups=["dense"], head_dims=hds, seqlens=[1024, 4096, 16384])
         cells += B.filter_cells(fwd, groups=["gqa"]) if not tiles else []
-    elif knob == "wg_key_bound":  # causal hd256, and hd192 at the same shapes
-        hd256 = B.filter_cells(fwd, groups=["dense"], head_dims=[256], causal=True)
-        cells = hd256 + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in hd256]
     elif knob == "reduce_chains":  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale

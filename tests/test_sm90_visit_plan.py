@@ -391,12 +391,10 @@ def test_kernel_code_matches_design_on_cpu(name, call):
 
 # ---- dense configs: the static split of a tile's key blocks into masked / unmasked loops ----
 
-def dense_visits(m, bm, bn, sq, sk, causal, wl, wr, wg=None):
+def dense_visits(m, bm, bn, sq, sk, causal, wl, wr):
     """Pure-Python transcription of FlashFwdSm90.tile_coords + the dense loops of ``consume``
     (intra-warpgroup overlap): [(key block, masked?)] in visiting order for query tile ``m``.
-    ``wl`` / ``wr`` < 0: no bound; causal is a right bound of 0 (the tighter of the two).
-    ``wg``: the visits of that warpgroup with its own key bound (wg_key_bound: the tile's top
-    blocks hidden from its 64 rows passed, FlashFwdSm90.wg_key_block_end)."""
+    ``wl`` / ``wr`` < 0: no bound; causal is a right bound of 0 (the tighter of the two)."""
     mask_right, mask_left = causal or wr >= 0, wl >= 0
     wr = (0 if wr < 0 else min(wr, 0)) if causal else max(wr, 0)
     wl = max(wl, 0)
@@ -414,10 +412,6 @@ def dense_visits(m, bm, bn, sq, sk, causal, wl, wr, wg=None):
     if mask_left:
         left_clear = -(-max(m * bm + bm - 1 + sk - sq - wl, 0) // bn)
         n_left = min(max(min(left_clear, n_max) - n_min, 0), n_blocks - n_masked)
-    if wg is not None:
-        wg_end = -(-max(m * bm + 64 * wg + 63 + 1 + sk - sq + wr, 0) // bn)
-        n_hidden = min(max(n_max - wg_end, 0), n_masked)
-        n_max, n_blocks, n_masked = n_max - n_hidden, n_blocks - n_hidden, n_masked - n_hidden
     if n_blocks == 0:
         return []
     n_right, n_unmasked = n_masked, n_blocks - n_masked - n_left
@@ -433,41 +427,6 @@ def dense_visits(m, bm, bn, sq, sk, causal, wl, wr, wg=None):
     out += [(n_max - 2 - n_right - i, False) for i in range(n_unmasked)]
     out += [(n_min + n_left - 1 - i, True) for i in range(n_left)]
     return out
-
-
-def test_warpgroup_key_bound_keeps_the_mask_split_exact():
-    """With each warpgroup's own key bound (wg_key_bound, right-bounded calls), a warpgroup's
-    visits still hold every key block one of its 64 rows sees, exactly once, the ones it visits
-    unmasked are fully visible to its rows, and the blocks it passes hold no key they see (brute
-    force over random shapes, key tiles and windows; the key tiles of D > 128)."""
-    import random
-    rng = random.Random(3)
-    passed = 0
-    for _ in range(400):
-        sq, sk = rng.randint(1, 700), rng.randint(1, 700)
-        bn = rng.choice([64, 80, 112, 128])
-        causal = rng.random() < 0.7
-        wl = rng.choice([-1, -1, 0, 5, 100, 400])
-        wr = rng.choice([0, 7, 300]) if not causal else rng.choice([-1, 0, 7])
-        offs = sk - sq
-        rwr = (0 if wr < 0 else min(wr, 0)) if causal else wr   # the kernel's right bound
-        for m in range(-(-sq // 128)):
-            tile = {n for n, _ in dense_visits(m, 128, bn, sq, sk, causal, wl, wr)}
-            for wg in range(2):
-                rows = range(m * 128 + 64 * wg, min(m * 128 + 64 * wg + 64, sq))
-
-                def visible(i, j):
-                    return j < sk and j <= i + offs + rwr and (wl < 0 or j >= i + offs - wl)
-                visits = dense_visits(m, 128, bn, sq, sk, causal, wl, wr, wg=wg)
-                blocks = [n for n, _ in visits]
-                assert len(blocks) == len(set(blocks)) and set(blocks) <= tile
-                needed = {j // bn for i in rows for j in range(sk) if visible(i, j)}
-                assert needed <= set(blocks), (sq, sk, bn, causal, wl, wr, m, wg, needed, visits)
-                for n, masked in visits:
-                    if not masked:
-                        assert all(visible(i, j) for i in rows for j in range(n * bn, (n + 1) * bn))
-                passed += len(tile - set(blocks))
-    assert passed > 100
 
 
 def test_dense_mask_split_is_exact():

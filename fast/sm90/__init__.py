@@ -51,7 +51,6 @@ _VARLEN_SECTIONS_ENV = os.environ.get("DUALATTN_SM90_VARLEN_SECTIONS", "")  # se
 _RESCALE_THRESHOLD_ENV = os.environ.get("DUALATTN_SM90_RESCALE_THRESHOLD", "")  # see .rescale_threshold
 _RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  # see .rescale_before_pv
 _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm90Forward.wg_epilogue
-_WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
@@ -373,7 +372,7 @@ class FastSm90Forward:
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
-                self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
+                self.reduce_chains(spec), arch_string(arch))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -467,20 +466,6 @@ class FastSm90Forward:
         turns it off (comparisons)."""
         separate_o = cls.config(spec)[6]
         return separate_o and 64 % cls.pack_gqa(spec) == 0 and _WG_EPILOGUE_ENV != "0"
-
-    @classmethod
-    def wg_key_bound(cls, spec) -> bool:
-        """Each consumer warpgroup passes over the tile's top key blocks that none of its 64
-        rows sees (FlashFwdSm90.wg_key_block_end): with a right bound and tile_n < 128 (hd192 /
-        hd256) the first warpgroup's rows never see the tile's last key block, the second
-        warpgroup's diagonal, so causal hd256 at tile_n 64 computes one block in 2 (p + 1) less
-        per warpgroup pair. Configs without ping-pong (D > 128), without key ranges, CSR or
-        stream-K. Off until measured on a GPU: DUALATTN_SM90_WG_KEY_BOUND=1 turns it on
-        (ci/sm90_grid_ab.py wg_key_bound)."""
-        pingpong = cls.config(spec)[3]
-        masked_right = spec.causal or spec.window[1] >= 0
-        return (_WG_KEY_BOUND_ENV == "1" and masked_right and not pingpong
-                and not (spec.has_key_ranges or spec.has_block_sparse or cls.stream_k(spec)))
 
     @classmethod
     def stream_k(cls, spec) -> bool:
@@ -618,8 +603,7 @@ class FastSm90Forward:
                             wg_epilogue=self.wg_epilogue(spec), stream_k=self.stream_k(spec),
                             rescale_threshold=self.rescale_threshold(spec),
                             rescale_before_pv=self.rescale_before_pv(spec),
-                            reduce_chains=self.reduce_chains(spec),
-                            wg_key_bound=self.wg_key_bound(spec))
+                            reduce_chains=self.reduce_chains(spec))
 
     @staticmethod
     def arg_schema(spec):
