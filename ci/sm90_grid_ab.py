@@ -12,6 +12,11 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py reduce_chains 1   # the softmax's row max / sum in the default
                                                 # partial chains against one serial chain
     python ci/sm90_grid_ab.py wg_epilogue  # per-warpgroup epilogues against one for all warpgroups
+    python ci/sm90_grid_ab.py wg_key_bound # the default key bound (each warpgroup's own where it
+                                           # applies) against the tile's, causal hd256 / hd192
+                                           # (hd256 from 8k: both plain, ratio 1)
+    python ci/sm90_grid_ab.py wg_key_bound pingpong  # forced on against the default, on the
+                                           # ping-pong configs' causal cells (hd64, hd128, GQA)
     python ci/sm90_grid_ab.py stream_k     # the last rounds cut along the keys against uncut, on
                                            # the non-causal dense / GQA cells and shapes of whole rounds
     python ci/sm90_grid_ab.py stream_k causal   # the same for the paired causal order, on the
@@ -46,6 +51,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "rescale": ("_RESCALE_THRESHOLD_ENV", None, "threshold"),  # value: the second argument
          "rescale_before_pv": ("", "1", "rescale before P V"),
          "wg_epilogue": ("_WG_EPILOGUE_ENV", "0", "one epilogue"),
+         "wg_key_bound": ("_WG_KEY_BOUND_ENV", "0", "plain key bound"),
          "stream_k": ("_STREAM_K_ENV", "0", "no cuts"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
@@ -66,6 +72,8 @@ def main(knob: str, tiles: str = ""):
     attr, value, label = KNOBS[knob] if knob != "tiles" else ("", tiles, f"tiles {tiles}")
     if knob == "rescale_before_pv":
         label = "rescale before P V"
+    elif knob == "wg_key_bound" and tiles == "pingpong":
+        value, label = "1", "own key bound"
     elif value is None:
         value, label = tiles or "0", f"{label} {tiles or '0'}"
     set_knob = {"tiles": _set_tiles, "rescale_before_pv": _set_rescale_before_pv}.get(knob, setattr)
@@ -101,6 +109,11 @@ def main(knob: str, tiles: str = ""):
         hds = [int(h) for h in (tiles or "128,256").split(",")]
         cells = B.filter_cells(fwd, groups=["dense"], head_dims=hds, seqlens=[1024, 4096, 16384])
         cells += B.filter_cells(fwd, groups=["gqa"]) if not tiles else []
+    elif knob == "wg_key_bound" and tiles == "pingpong":  # forced on: causal hd64 / hd128, GQA
+        cells = B.filter_cells(fwd, groups=["dense", "gqa"], head_dims=[64, 128], causal=True)
+    elif knob == "wg_key_bound":  # causal hd256, and hd192 at the same shapes
+        hd256 = B.filter_cells(fwd, groups=["dense"], head_dims=[256], causal=True)
+        cells = hd256 + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in hd256]
     elif knob == "reduce_chains":  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale

@@ -92,15 +92,16 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, "sm_90a")
+                   False, False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
+    # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
-    assert FORWARD.compile_key(_spec(128), 90)[-2] == 4 and FORWARD.compile_key(_spec(64), 90)[-2] == 1
+    assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
     # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls with the keys
     assert FORWARD.compile_key(_spec(192, sk=8192), 90)[16] is True
     # the paired causal order is compiled in (persistent causal grids only)
-    assert FORWARD.compile_key(_spec(64, True), 90)[-7] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-8] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
-    assert FORWARD.compile_key(_spec(128), 90)[-5] == 0.0
+    assert FORWARD.compile_key(_spec(128), 90)[-6] == 0.0
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
     # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
     assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)
@@ -307,7 +308,7 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
     # causal varlen tiles run heaviest first within L2 sections of (sequence, head) pairs (GQA and
     # short sequences: not in pairs, see test_varlen_paired_order_compiles)
-    assert FORWARD.compile_key(spec, 90)[-6] is causal and not FastSm90Forward.paired(spec)
+    assert FORWARD.compile_key(spec, 90)[-7] is causal and not FastSm90Forward.paired(spec)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
@@ -334,7 +335,7 @@ def test_varlen_paired_order_compiles(d):
     long_seq = PAIRED_VARLEN_MIN_SEQLEN[d]
     spec = AttentionSpec("varlen", 10, long_seq, long_seq, 8, 8, d, d, torch.bfloat16, "cuda", causal=True,
                          return_lse=True)
-    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-7] is True
+    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-8] is True
     for other in (replace(spec, num_heads_kv=2), replace(spec, seqlen_q=long_seq - 1),
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
@@ -700,7 +701,7 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     shared-memory budget (checked at trace time) still met at hd128 (224 KB + barriers)."""
     hd128 = _spec(128, False, sq=8192, sk=8192)
     assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
-    assert FORWARD.compile_key(hd128, 90)[-8] == 2
+    assert FORWARD.compile_key(hd128, 90)[-9] == 2
     assert FastSm90Forward.q_stages(_spec(128, True, sq=32768, sk=32768)) == 1  # one CTA per tile
     assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
     kern = FORWARD.make_kernel(hd128)
@@ -724,7 +725,7 @@ def test_o_rescale_placement_rule():
     assert not before(_spec(256, False, sq=8192, sk=8192)) and thr(_spec(256, False, sq=8192, sk=8192)) == 8.0
     kern = FORWARD.make_kernel(_spec(128, False, sq=8192, sk=8192))
     assert kern.rescale_before_pv and kern.rescale_threshold == 0.0
-    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-4] is True
+    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-5] is True
 
 
 @pytest.mark.compile_only
@@ -790,9 +791,113 @@ def test_paired_key_blocks_transcribes_the_kernels_bounds(d, causal, window, sq_
         assert FastSm90Forward.pack_gqa(spec) == FastSm90Forward.pack_gqa(base)
         g = FastSm90Forward.pack_gqa(spec)
         num_m = -(-(g * sq) // kern.tile_m)
-        out = torch.full((num_m, 2), -7, dtype=torch.int32)
+        out = torch.full((num_m, wgs), -7, dtype=torch.int32)
         _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
         fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq, sk, wl, wr, num_m)
         key_blocks = FastSm90Forward.paired_key_blocks(spec)
         got = [max(int(hi) - int(lo), 0) for lo, hi in out.tolist()]
         assert got == [key_blocks(m) for m in range(num_m)], (sq, sk)
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d, sq, window, hq, hkv", [
+    (256, 2048, (-1, -1), 4, 4),   # 64-key tiles: the first warpgroup never sees the last block
+    (256, 8192, (-1, -1), 4, 4),   # 80-key tiles
+    (192, 1000, (-1, -1), 4, 4),   # 112-key tiles
+    (256, 1000, (-1, 37), 4, 4),   # a right window bound alone
+    (256, 48, (-1, -1), 32, 8),    # packed GQA rows, where the pack applies at hd256
+    (64, 4224, (-1, -1), 4, 4),    # ping-pong, 3 warpgroups: 192-row tiles on 128-key tiles
+    (128, 1000, (-1, -1), 4, 4),   # ping-pong, 128 x 128 tiles (blocks hidden at offsets only)
+    (128, 48, (-1, -1), 32, 8),    # ping-pong, packed GQA rows
+])
+def test_wg_key_block_end_hides_only_blocks_no_row_of_the_warpgroup_sees(d, sq, window, hq, hkv):
+    """wg_key_block_end (the kernel's own code, compiled for the host): the key blocks at or past
+    it hold no key that any of the warpgroup's 64 rows sees, and the block before it holds one
+    (the bound is exact), over random shapes and offsets; every such block is one the tile
+    visits masked (so passing it leaves the tile's masked/unmasked split intact)."""
+    import random
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+    from test_sm90_visit_plan import dense_visits
+
+    causal = window == (-1, -1)
+    base = AttentionSpec("batched", 1, sq, sq, hq, hkv, d, d, torch.bfloat16, "cuda", causal=causal,
+                         window=window, return_lse=True)
+    kern = FastSm90Forward().make_kernel(base)
+    g, bm, bn = kern.pack_gqa, kern.tile_m, kern.tile_n
+    wgs = bm // 64
+
+    @cute.jit
+    def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win_right: Int32, num_m: Int32):
+        out = cute.make_tensor(out_ptr, cute.make_layout((num_m, wgs), stride=(wgs, 1)))
+        for m in cutlass.range(num_m, unroll=1):
+            for w in cutlass.range_constexpr(wgs):
+                out[m, w] = kern.wg_key_block_end(m, w, rows, seqlen_k, win_right)
+
+    fn = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0)
+    rng = random.Random(7)
+    seen_hidden = 0
+    for _ in range(60):
+        sq_ = rng.randint(1, sq)
+        sk = rng.choice([sq_, rng.randint(1, 3 * sq_ + 200), sq_ + rng.choice([1, 63, 64, 65, 79, 81, 113]),
+                         sq_ + rng.randint(0, 2 * bn)])
+        spec = replace(base, seqlen_q=sq_, seqlen_k=sk)
+        assert FastSm90Forward.pack_gqa(spec) == g
+        _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
+        num_m = -(-(g * sq_) // bm)
+        out = torch.full((num_m, wgs), -7, dtype=torch.int32)
+        fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq_, sk, wr, num_m)
+        offs = sk - sq_
+        for m in range(num_m):
+            # the tile's visits (the transcription knows no packed rows: their tile bound here)
+            visits = dict(dense_visits(m, bm, bn, sq_, sk, causal, -1, window[1])) if g == 1 else None
+            last_q = min((m * bm + bm - 1) // g, sq_ - 1)
+            n_block_max = min(-(-sk // bn), -(-max(last_q + 1 + offs + wr, 0) // bn))
+            if visits is not None:
+                assert n_block_max == (max(visits) + 1 if visits else n_block_max)
+            for w in range(wgs):
+                end = int(out[m, w])
+                qs = {(m * bm + 64 * w + r) // g for r in range(64) if m * bm + 64 * w + r < g * sq_}
+                hi = {i: min(i + offs + wr, sk - 1) for i in qs}   # last key row i sees
+                seen = {j // bn for i in qs for j in range(max(hi[i] + 1, 0))}
+                assert all(n < end for n in seen), (sq_, sk, m, w, end, seen)
+                if m * bm + 64 * w + 63 < g * sq_ and max(hi.values()) >= 0 and end - 1 < n_block_max:
+                    assert end - 1 in seen, (sq_, sk, m, w, end)   # exact where row 63 is stored
+                for n in range(end, n_block_max):
+                    assert visits is None or visits[n], (sq_, sk, m, w, n)   # a masked visit
+                    seen_hidden += 1
+    assert seen_hidden > (20 if g == 1 else 0)
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
+    """Each warpgroup's own key bound is on by default for right-bounded configs without
+    ping-pong (D > 128) except hd256's 80-wide key tiles (causal from 8k queries, where it
+    measured slower); never for key ranges / CSR / non-right-bounded ones. Ping-pong configs
+    (D <= 128) have it only with DUALATTN_SM90_WG_KEY_BOUND=1 (measured neutral); =0 turns it
+    off everywhere. It is its own compile key; on, the kernel assembles for sm_90a with one more
+    key-block loop: the hidden blocks' pass (mbarrier waits, no wgmma)."""
+    import dualattn.fast.sm90 as sm90
+    on_specs = [_spec(256, True, sq=2048, sk=2048), _spec(192, True, sq=1000, sk=1300),
+                _spec(192, True, sq=8192, sk=8192),
+                _spec(256, False, sq=1000, sk=1000, window=(-1, 37))]
+    wide = _spec(256, True, sq=8192, sk=8192)
+    pingpong = [_spec(128, True, sq=2048, sk=2048), _spec(64, True, sq=16384, sk=16384)]
+    off_specs = [_spec(256, False, sq=2048, sk=2048),
+                 _spec(256, True, sq=2048, sk=2048, num_key_ranges=1)]
+    assert FastSm90Forward.config(wide)[1] == 80
+    assert all(FastSm90Forward.wg_key_bound(s) for s in on_specs)
+    assert not any(FastSm90Forward.wg_key_bound(s) for s in off_specs + pingpong + [wide])
+    key_on = FORWARD.compile_key(on_specs[0], 90)
+    ptx_on = FORWARD.compile_only(on_specs[0], arch=90).__ptx__
+    monkeypatch.setattr(sm90, "_WG_KEY_BOUND_ENV", "1")
+    assert all(FastSm90Forward.wg_key_bound(s) for s in on_specs + pingpong + [wide])
+    assert not any(FastSm90Forward.wg_key_bound(s) for s in off_specs)
+    monkeypatch.setattr(sm90, "_WG_KEY_BOUND_ENV", "0")
+    assert not any(FastSm90Forward.wg_key_bound(s) for s in on_specs + off_specs + pingpong + [wide])
+    assert FORWARD.compile_key(on_specs[0], 90) != key_on
+    ptx_off = FORWARD.compile_only(on_specs[0], arch=90).__ptx__
+    assert _loops_with(ptx_on, "mbarrier.try_wait") > _loops_with(ptx_off, "mbarrier.try_wait")
+    assert _loops_with(ptx_on, "wgmma.mma_async") == _loops_with(ptx_off, "wgmma.mma_async")

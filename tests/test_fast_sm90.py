@@ -125,6 +125,17 @@ _case("streamk-off", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stre
 # non-contiguous q / k / v (strides reach the kernel as runtime values)
 _case("strided", 2, 300, 517, 4, 2, 128, "bfloat16", False, strided=True)
 _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
+# each warpgroup's own key bound (FastSm90Forward.wg_key_bound), forced on or off where the
+# default rule says otherwise: ping-pong configs (a passed block still takes its turn of the
+# ring), 3 warpgroups' 192-row tiles, bottom-right offsets, packed GQA rows, hd256's 80-key tiles
+_case("wgkb", 1, 4224, 4224, 2, 2, 64, "bfloat16", True, stream_k="0", wg_key_bound="1")
+_case("wgkb", 1, 4100, 4400, 3, 1, 64, "bfloat16", True, "0", wg_key_bound="1")
+_case("wgkb", 2, 300, 364, 4, 2, 128, "bfloat16", True, wg_key_bound="1")
+_case("wgkb", 2, 1000, 1100, 4, 4, 64, "bfloat16", True, "1", wg_key_bound="1")
+_case("wgkb", 2, 700, 650, 4, 2, 128, "float16", False, "0", wg_key_bound="1", window=(90, 30))
+_case("wgkb", 2, 37, 300, 16, 4, 128, "bfloat16", True, wg_key_bound="1")  # packed GQA rows
+_case("wgkb", 1, 8200, 8200, 2, 2, 256, "bfloat16", True, wg_key_bound="1")  # 80-key tiles
+_case("wgkb", 2, 1000, 1000, 4, 2, 256, "bfloat16", True, wg_key_bound="0")
 
 
 # varlen: (name, seqlens_q, seqlens_k, Hq, Hkv, D, causal, kw); lengths include 0 and 1
@@ -445,6 +456,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._NUM_SMS_ENV = str(kw.pop("num_sms", ""))
             sm90._STREAM_K_MIN_KEYS_ENV = "0" if sm90._NUM_SMS_ENV else ""
             sm90._STREAM_K_ENV = kw.pop("stream_k", "")
+            sm90._WG_KEY_BOUND_ENV = kw.pop("wg_key_bound", "")
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
             sm90.FORWARD._entries.clear()
@@ -468,6 +480,7 @@ def _run_worker(out_path: str, group: str) -> None:
                 # tiles the launch cuts along the keys (stream-K); the streamk cases must cut some
                 rec["sk_tiles"] = (impl.stream_k_count(call.spec, q.device)
                                    if impl.name == "fast-sm90" and impl.stream_k(call.spec) else 0)
+                rec["wg_key_bound"] = impl.name == "fast-sm90" and impl.wg_key_bound(call.spec)
                 outs = []
                 # stream-K: which of a cut tile's two pieces merges is a race, decided anew each
                 # run: more runs, all bitwise equal
@@ -487,6 +500,7 @@ def _run_worker(out_path: str, group: str) -> None:
             f.write(json.dumps(rec) + "\n")
             f.flush()
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
+        sm90._WG_KEY_BOUND_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
             if _in_group(case[0], group):
@@ -565,6 +579,8 @@ def test_forward_matches_oracle(results, case):
         assert r["sk_tiles"] > 0, "no tile was cut: the stream-K path did not run"
     if name.startswith("streamk-off"):
         assert r["sk_tiles"] == 0
+    if name.startswith("wgkb-"):  # the forced key bound reached the kernel
+        assert r["wg_key_bound"] is name.endswith("wg_key_bound1")
 
 
 def _run_overhead_worker(out_path: str) -> None:

@@ -391,10 +391,12 @@ def test_kernel_code_matches_design_on_cpu(name, call):
 
 # ---- dense configs: the static split of a tile's key blocks into masked / unmasked loops ----
 
-def dense_visits(m, bm, bn, sq, sk, causal, wl, wr):
+def dense_visits(m, bm, bn, sq, sk, causal, wl, wr, wg=None):
     """Pure-Python transcription of FlashFwdSm90.tile_coords + the dense loops of ``consume``
     (intra-warpgroup overlap): [(key block, masked?)] in visiting order for query tile ``m``.
-    ``wl`` / ``wr`` < 0: no bound; causal is a right bound of 0 (the tighter of the two)."""
+    ``wl`` / ``wr`` < 0: no bound; causal is a right bound of 0 (the tighter of the two).
+    ``wg``: the visits of that warpgroup with its own key bound (wg_key_bound: the tile's top
+    blocks hidden from its 64 rows passed, FlashFwdSm90.wg_key_block_end)."""
     mask_right, mask_left = causal or wr >= 0, wl >= 0
     wr = (0 if wr < 0 else min(wr, 0)) if causal else max(wr, 0)
     wl = max(wl, 0)
@@ -412,6 +414,10 @@ def dense_visits(m, bm, bn, sq, sk, causal, wl, wr):
     if mask_left:
         left_clear = -(-max(m * bm + bm - 1 + sk - sq - wl, 0) // bn)
         n_left = min(max(min(left_clear, n_max) - n_min, 0), n_blocks - n_masked)
+    if wg is not None:
+        wg_end = -(-max(m * bm + 64 * wg + 63 + 1 + sk - sq + wr, 0) // bn)
+        n_hidden = min(max(n_max - wg_end, 0), n_masked)
+        n_max, n_blocks, n_masked = n_max - n_hidden, n_blocks - n_hidden, n_masked - n_hidden
     if n_blocks == 0:
         return []
     n_right, n_unmasked = n_masked, n_blocks - n_masked - n_left
@@ -427,6 +433,48 @@ def dense_visits(m, bm, bn, sq, sk, causal, wl, wr):
     out += [(n_max - 2 - n_right - i, False) for i in range(n_unmasked)]
     out += [(n_min + n_left - 1 - i, True) for i in range(n_left)]
     return out
+
+
+def test_warpgroup_key_bound_keeps_the_mask_split_exact():
+    """With each warpgroup's own key bound (wg_key_bound, right-bounded calls), a warpgroup's
+    visits still hold every key block one of its 64 rows sees, exactly once, the ones it visits
+    unmasked are fully visible to its rows, and the blocks it passes hold no key they see (brute
+    force over random shapes, key tiles and windows; the key tiles of D > 128, and hd64's 3
+    warpgroups of a 192-row tile). With ping-pong each warpgroup still takes one turn of the
+    ring per overlapped block of the tile: its own visits' turns plus those ``consume`` takes for
+    its passed blocks (min(hidden, tile's blocks - 1)) are the tile's."""
+    import random
+    rng = random.Random(3)
+    passed = 0
+    for _ in range(400):
+        sq, sk = rng.randint(1, 700), rng.randint(1, 700)
+        bm = rng.choice([128, 128, 192])
+        bn = rng.choice([64, 80, 112, 128]) if bm == 128 else 128
+        causal = rng.random() < 0.7
+        wl = rng.choice([-1, -1, 0, 5, 100, 400])
+        wr = rng.choice([0, 7, 300]) if not causal else rng.choice([-1, 0, 7])
+        offs = sk - sq
+        rwr = (0 if wr < 0 else min(wr, 0)) if causal else wr   # the kernel's right bound
+        for m in range(-(-sq // bm)):
+            tile = {n for n, _ in dense_visits(m, bm, bn, sq, sk, causal, wl, wr)}
+            for wg in range(bm // 64):
+                rows = range(m * bm + 64 * wg, min(m * bm + 64 * wg + 64, sq))
+
+                def visible(i, j):
+                    return j < sk and j <= i + offs + rwr and (wl < 0 or j >= i + offs - wl)
+                visits = dense_visits(m, bm, bn, sq, sk, causal, wl, wr, wg=wg)
+                blocks = [n for n, _ in visits]
+                hidden = len(tile) - len(blocks)
+                assert (max(len(blocks) - 1, 0) + min(hidden, max(len(tile) - 1, 0))
+                        == max(len(tile) - 1, 0))   # the ring's turns
+                assert len(blocks) == len(set(blocks)) and set(blocks) <= tile
+                needed = {j // bn for i in rows for j in range(sk) if visible(i, j)}
+                assert needed <= set(blocks), (sq, sk, bn, causal, wl, wr, m, wg, needed, visits)
+                for n, masked in visits:
+                    if not masked:
+                        assert all(visible(i, j) for i in rows for j in range(n * bn, (n + 1) * bn))
+                passed += len(tile - set(blocks))
+    assert passed > 100
 
 
 def test_dense_mask_split_is_exact():

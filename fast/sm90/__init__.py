@@ -51,6 +51,7 @@ _VARLEN_SECTIONS_ENV = os.environ.get("DUALATTN_SM90_VARLEN_SECTIONS", "")  # se
 _RESCALE_THRESHOLD_ENV = os.environ.get("DUALATTN_SM90_RESCALE_THRESHOLD", "")  # see .rescale_threshold
 _RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  # see .rescale_before_pv
 _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm90Forward.wg_epilogue
+_WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
@@ -372,7 +373,7 @@ class FastSm90Forward:
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
-                self.reduce_chains(spec), arch_string(arch))
+                self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -466,6 +467,34 @@ class FastSm90Forward:
         turns it off (comparisons)."""
         separate_o = cls.config(spec)[6]
         return separate_o and 64 % cls.pack_gqa(spec) == 0 and _WG_EPILOGUE_ENV != "0"
+
+    @classmethod
+    def wg_key_bound(cls, spec) -> bool:
+        """Each consumer warpgroup passes over the tile's top key blocks that none of its 64
+        rows sees (FlashFwdSm90.wg_key_block_end): with a right bound and tile_n < 128 (hd192 /
+        hd256) the first warpgroup's rows never see the tile's last key block, the second
+        warpgroup's diagonal, so causal hd256 at tile_n 64 computes one block in 2 (p + 1) less
+        per warpgroup pair. Configs without ping-pong (D > 128), without key ranges, CSR or
+        stream-K. H100, bf16, CUDA-graph replays interleaved, three runs
+        (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py wg_key_bound), time without / with:
+        causal hd256 (tile_n 64) 512 / 1k / 2k / 4k 1.030 / 1.024 / 1.020 / 1.012-1.013, hd192
+        (tile_n 112) 512-8k 1.018-1.044, hd192 16k 0.994-1.009; but hd256's 80-wide tiles
+        (causal from 8k queries) 0.950-0.983 at 8k, 0.994-1.004 at 16k, so those keep the
+        plain bound (the SASS loop is the same length and spill-free either way: a scheduling
+        effect, not code). Ping-pong configs (D <= 128) can run it too (a passed block still
+        takes its turn of the ring), but only hd64's 192-row causal tiles hide blocks when Sq =
+        Sk, and it measured neutral (causal hd64 16k +4.4 / +0.9 / -0.5 % in three runs, hd128
+        and hd64 to 2k 0.98-1.00x, noise at this level: 0.92-1.00 between identical kernels),
+        so they keep the plain bound. DUALATTN_SM90_WG_KEY_BOUND=0 turns it off, =1 on wherever
+        it applies (comparisons; ci/sm90_grid_ab.py wg_key_bound pingpong)."""
+        pingpong = cls.config(spec)[3]
+        masked_right = spec.causal or spec.window[1] >= 0
+        applies = (masked_right
+                   and not (spec.has_key_ranges or spec.has_block_sparse or cls.stream_k(spec)))
+        if _WG_KEY_BOUND_ENV in ("0", "1"):
+            return applies and _WG_KEY_BOUND_ENV == "1"
+        wide_hd256 = (spec.head_dim, spec.head_dim_v) == (256, 256) and cls.config(spec)[1] == 80
+        return applies and not (wide_hd256 or pingpong)
 
     @classmethod
     def stream_k(cls, spec) -> bool:
@@ -603,7 +632,8 @@ class FastSm90Forward:
                             wg_epilogue=self.wg_epilogue(spec), stream_k=self.stream_k(spec),
                             rescale_threshold=self.rescale_threshold(spec),
                             rescale_before_pv=self.rescale_before_pv(spec),
-                            reduce_chains=self.reduce_chains(spec))
+                            reduce_chains=self.reduce_chains(spec),
+                            wg_key_bound=self.wg_key_bound(spec))
 
     @staticmethod
     def arg_schema(spec):

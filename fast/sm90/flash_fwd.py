@@ -166,7 +166,7 @@ class FlashFwdSm90:
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
                  varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
-                 reduce_chains: int = 1):
+                 reduce_chains: int = 1, wg_key_bound: bool = False):
         self.dtype = dtype
         # independent partial results per row in the softmax's max and sum (online_softmax)
         assert reduce_chains in (1, 2, 4, 8)
@@ -245,6 +245,15 @@ class FlashFwdSm90:
         assert not stream_k or (persistent and not (varlen or self.dynamic_mask)
                                 and (paired or not (self.mask_right or self.mask_left)))
         self.stream_k = stream_k
+        # each consumer warpgroup stops at its own rows' last visible key block: with a right
+        # bound the tile's top key blocks can be hidden from the first warpgroup's 64 rows (at
+        # tile_n 64, the whole diagonal block of the second one's; with 3 warpgroups of 192
+        # rows on 128-key tiles, a block in every other tile), and it consumes their pipeline
+        # stages without a GEMM. With ping-pong it still takes one turn of the ring of named
+        # barriers per passed block (the ring counts one GEMM issue per warpgroup and block)
+        assert not wg_key_bound or (self.mask_right and not (self.dynamic_mask or stream_k)
+                                    and overlap)
+        self.wg_key_bound = wg_key_bound
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
@@ -663,6 +672,27 @@ class FlashFwdSm90:
         return n_block_min, n_block_max
 
     @cute.jit
+    def wg_key_block_end(self, m_block, wg, seqlen_q, seqlen_k, win_right):
+        """One past the last key block that a row of warpgroup ``wg``'s 64 rows of query block
+        ``m_block`` sees through the right bound (``seqlen_q`` in rows; rows past it only make
+        the bound larger, never hide a visible block)."""
+        wg_end = self.q_pos(m_block * self.tile_m + 64 * wg + 63) + 1
+        return cute.ceil_div(cutlass.max(wg_end + seqlen_k - self.q_count(seqlen_q) + win_right, 0),
+                             self.tile_n)
+
+    @cute.jit
+    def pass_block(self, ctx, kv_state):
+        """Consume a key block's K and V stages without using them (a block hidden from this
+        warpgroup's rows). The waits are needed: a release before the stage's fill could be
+        counted into the previous use of that stage while another warpgroup still reads it."""
+        ctx.pipe_k.consumer_wait(kv_state)
+        ctx.pipe_k.consumer_release(kv_state)
+        ctx.pipe_v.consumer_wait(kv_state)
+        ctx.pipe_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
     def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None, placed=None):
         """(m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
         offset_k, active) of a linear tile index; the offsets are the sequence's first row in the
@@ -1015,6 +1045,25 @@ class FlashFwdSm90:
                 else:
                     # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
                     # together while the softmax of S_{j+1} runs on the CUDA cores
+                    if const_expr(self.wg_key_bound):
+                        # the top blocks hidden from this warpgroup's rows are right-masked
+                        # blocks of the tile (hidden from its first row too): passed, not computed
+                        n_hidden = cutlass.min(cutlass.max(
+                            n_block_max - self.wg_key_block_end(m_block, wg, seqlen_q, seqlen_k,
+                                                                win_right), 0), n_masked)
+                        for i in cutlass.range(n_hidden, unroll=1):
+                            kv_state = self.pass_block(ctx, kv_state)
+                        if const_expr(self.pingpong):
+                            # every warpgroup takes n_blocks - 1 turns of the ring per tile (one
+                            # per overlapped block): those of its passed blocks come first, so
+                            # the next warpgroup's GEMMs go ahead at once
+                            for i in cutlass.range(cutlass.min(n_hidden, cutlass.max(n_blocks - 1, 0)),
+                                                   unroll=1):
+                                self.sched_sync(ctx)
+                                self.sched_arrive(ctx)
+                        n_block_max = n_block_max - n_hidden
+                        n_blocks = n_blocks - n_hidden
+                        n_masked = n_masked - n_hidden
                     if n_blocks > 0:
                         # the first block (n_block_max - 1) is taken from the group it belongs to:
                         # the right-masked ones, else the unmasked ones, else the left-masked ones
