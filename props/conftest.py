@@ -47,6 +47,16 @@ def pytest_collection_modifyitems(config, items):
     # order, so the long ones start at once instead of ending the run on a few busy workers
     # (ci/gpu props on one H100 had 53 of 56 items done after 430 s, the costly shards last)
     items.sort(key=lambda item: -getattr(getattr(item, "function", None), "props_shard_weight", 0.0))
+    part = os.environ.get("DUALATTN_PROPS_PART", "")
+    if part:
+        # "k/n": every n-th item from the k-th (1-based) of that order, so each part gets its
+        # share of the costly shards (ci/gpu props in n calls where one is too short)
+        k, n = (int(x) for x in part.split("/"))
+        if not 1 <= k <= n:
+            raise pytest.UsageError(f"DUALATTN_PROPS_PART={part}: want k/n with 1 <= k <= n")
+        keep = items[k - 1::n]
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
     if profiles.current().device == "cuda" and not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in items:

@@ -304,3 +304,18 @@ def test_env_mode_is_read_on_every_call(monkeypatch):
     assert debug.current_mode() is None
     monkeypatch.delenv("DUALATTN_MODE")
     assert debug.current_mode() is None
+
+
+def test_props_parts_split_the_campaign_without_overlap(tmp_path):
+    # DUALATTN_PROPS_PART=k/n (ci/gpu props in n calls): the parts together are the whole
+    # campaign, each item in exactly one part
+    def collect(part):
+        env = dict(os.environ, DUALATTN_PROGRESS="0", DUALATTN_PROPS_PROFILE="gpu", DUALATTN_PROPS_PART=part)
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "props/"],
+                           capture_output=True, text=True, env=env, timeout=600,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert r.returncode == 0, r.stdout + r.stderr
+        return [ln for ln in r.stdout.splitlines() if "::" in ln]
+    whole, one, two = collect(""), collect("1/2"), collect("2/2")
+    assert len(whole) > 10 and one and two and not set(one) & set(two)
+    assert sorted(one + two) == sorted(whole)

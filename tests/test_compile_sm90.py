@@ -791,7 +791,7 @@ def test_paired_key_blocks_transcribes_the_kernels_bounds(d, causal, window, sq_
         assert FastSm90Forward.pack_gqa(spec) == FastSm90Forward.pack_gqa(base)
         g = FastSm90Forward.pack_gqa(spec)
         num_m = -(-(g * sq) // kern.tile_m)
-        out = torch.full((num_m, wgs), -7, dtype=torch.int32)
+        out = torch.full((num_m, 2), -7, dtype=torch.int32)
         _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
         fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq, sk, wl, wr, num_m)
         key_blocks = FastSm90Forward.paired_key_blocks(spec)
