@@ -17,9 +17,6 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                            # (hd256 from 8k: both plain, ratio 1)
     python ci/sm90_grid_ab.py wg_key_bound pingpong  # forced on against the default, on the
                                            # ping-pong configs' causal cells (hd64, hd128, GQA)
-    python ci/sm90_grid_ab.py half_diagonal  # the first block's S at half width where a
-                                           # warpgroup sees only its first half, causal hd64 /
-                                           # hd128 / GQA
     python ci/sm90_grid_ab.py stream_k     # the last rounds cut along the keys against uncut, on
                                            # the non-causal dense / GQA cells and shapes of whole rounds
     python ci/sm90_grid_ab.py stream_k causal   # the same for the paired causal order, on the
@@ -56,7 +53,6 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "wg_epilogue": ("_WG_EPILOGUE_ENV", "0", "one epilogue"),
          "wg_key_bound": ("_WG_KEY_BOUND_ENV", "0", "plain key bound"),
          "stream_k": ("_STREAM_K_ENV", "0", "no cuts"),
-         "half_diagonal": ("_HALF_DIAGONAL_ENV", "1", "half diagonal"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 
@@ -114,8 +110,6 @@ def main(knob: str, tiles: str = ""):
         cells = B.filter_cells(fwd, groups=["dense"], head_dims=hds, seqlens=[1024, 4096, 16384])
         cells += B.filter_cells(fwd, groups=["gqa"]) if not tiles else []
     elif knob == "wg_key_bound" and tiles == "pingpong":  # forced on: causal hd64 / hd128, GQA
-        cells = B.filter_cells(fwd, groups=["dense", "gqa"], head_dims=[64, 128], causal=True)
-    elif knob == "half_diagonal":  # causal hd64 / hd128 and GQA
         cells = B.filter_cells(fwd, groups=["dense", "gqa"], head_dims=[64, 128], causal=True)
     elif knob == "wg_key_bound":  # causal hd256, and hd192 at the same shapes
         hd256 = B.filter_cells(fwd, groups=["dense"], head_dims=[256], causal=True)

@@ -136,18 +136,6 @@ _case("wgkb", 2, 700, 650, 4, 2, 128, "float16", False, "0", wg_key_bound="1", w
 _case("wgkb", 2, 37, 300, 16, 4, 128, "bfloat16", True, wg_key_bound="1")  # packed GQA rows
 _case("wgkb", 1, 8200, 8200, 2, 2, 256, "bfloat16", True, wg_key_bound="1")  # 80-key tiles
 _case("wgkb", 2, 1000, 1000, 4, 2, 256, "bfloat16", True, wg_key_bound="0")
-# the first block's S at half width where a warpgroup's rows see only its first half
-# (FastSm90Forward.half_diagonal), forced on: plain causal, offsets both ways,
-# right windows, packed GQA rows, softcap, stream-K pieces
-_case("halfdiag", 2, 1000, 1000, 4, 2, 128, "bfloat16", True, half_diagonal="1")
-_case("halfdiag", 2, 1000, 1100, 4, 4, 64, "bfloat16", True, half_diagonal="1")
-_case("halfdiag", 2, 203, 113, 4, 4, 128, "float16", True, half_diagonal="1")
-_case("halfdiag", 2, 300, 364, 4, 2, 128, "bfloat16", True, "0", half_diagonal="1")
-_case("halfdiag", 2, 700, 650, 4, 2, 128, "bfloat16", False, half_diagonal="1", window=(90, 30))
-_case("halfdiag", 1, 500, 500, 4, 4, 64, "bfloat16", False, half_diagonal="1", window=(-1, 40))
-_case("halfdiag", 2, 37, 300, 16, 4, 128, "bfloat16", True, half_diagonal="1")  # packed GQA rows
-_case("halfdiag", 2, 777, 777, 4, 2, 128, "bfloat16", True, half_diagonal="1", softcap=20.0)
-_case("halfdiag", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, half_diagonal="1", num_sms=5)
 
 
 # varlen: (name, seqlens_q, seqlens_k, Hq, Hkv, D, causal, kw); lengths include 0 and 1
@@ -469,8 +457,6 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._STREAM_K_MIN_KEYS_ENV = "0" if sm90._NUM_SMS_ENV else ""
             sm90._STREAM_K_ENV = kw.pop("stream_k", "")
             sm90._WG_KEY_BOUND_ENV = kw.pop("wg_key_bound", "")
-            # (DUALATTN_SM90_HALF_DIAGONAL=1 in the environment runs every case with it)
-            sm90._HALF_DIAGONAL_ENV = kw.pop("half_diagonal", os.environ.get("DUALATTN_SM90_HALF_DIAGONAL", ""))
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
             sm90.FORWARD._entries.clear()
@@ -495,7 +481,6 @@ def _run_worker(out_path: str, group: str) -> None:
                 rec["sk_tiles"] = (impl.stream_k_count(call.spec, q.device)
                                    if impl.name == "fast-sm90" and impl.stream_k(call.spec) else 0)
                 rec["wg_key_bound"] = impl.name == "fast-sm90" and impl.wg_key_bound(call.spec)
-                rec["half_diagonal"] = impl.name == "fast-sm90" and impl.half_diagonal(call.spec)
                 outs = []
                 # stream-K: which of a cut tile's two pieces merges is a race, decided anew each
                 # run: more runs, all bitwise equal
@@ -516,7 +501,6 @@ def _run_worker(out_path: str, group: str) -> None:
             f.flush()
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
         sm90._WG_KEY_BOUND_ENV = ""
-        sm90._HALF_DIAGONAL_ENV = os.environ.get("DUALATTN_SM90_HALF_DIAGONAL", "")
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
             if _in_group(case[0], group):
@@ -597,8 +581,6 @@ def test_forward_matches_oracle(results, case):
         assert r["sk_tiles"] == 0
     if name.startswith("wgkb-"):  # the forced key bound reached the kernel
         assert r["wg_key_bound"] is name.endswith("wg_key_bound1")
-    if name.startswith("halfdiag-"):
-        assert r["half_diagonal"] is True
 
 
 def _run_overhead_worker(out_path: str) -> None:

@@ -53,7 +53,6 @@ _RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  
 _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm90Forward.wg_epilogue
 _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
-_HALF_DIAGONAL_ENV = os.environ.get("DUALATTN_SM90_HALF_DIAGONAL", "")  # see .half_diagonal
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -374,8 +373,7 @@ class FastSm90Forward:
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
-                self.reduce_chains(spec), self.wg_key_bound(spec), self.half_diagonal(spec),
-                arch_string(arch))
+                self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -497,25 +495,6 @@ class FastSm90Forward:
             return applies and _WG_KEY_BOUND_ENV == "1"
         wide_hd256 = (spec.head_dim, spec.head_dim_v) == (256, 256) and cls.config(spec)[1] == 80
         return applies and not (wide_hd256 or pingpong)
-
-    @classmethod
-    def half_diagonal(cls, spec) -> bool:
-        """A consumer warpgroup whose rows see at most the first half of the tile's first key
-        block (the diagonal one) computes its S with an n = tile_n / 2 wgmma
-        (FlashFwdSm90.first_half_block): at causal 128 x 128 tiles with Sq = Sk the first
-        warpgroup's Q K^T of each diagonal block is halved, 2.8 % of the tensor work at 1k and
-        1.5 % at 2k (its P V stays whole: see FlashFwdSm90.__init__). Decided per warpgroup and
-        tile at run time. Ping-pong configs with 128-key tiles and a right bound, without key
-        ranges / CSR.
-        DUALATTN_SM90_HALF_DIAGONAL=0/1 overrides (comparisons)."""
-        masked_right = spec.causal or spec.window[1] >= 0
-        tile_n, pingpong = cls.config(spec)[1], cls.config(spec)[3]
-        tile_m = cls.config(spec)[0]
-        # not 3 warpgroups (hd64's 192-row tiles): with their fewer registers per thread ptxas
-        # serializes the wgmma chain (tests/test_sm90_sass.py)
-        applies = (masked_right and pingpong and tile_n == 128 and tile_m == 128
-                   and not (spec.has_key_ranges or spec.has_block_sparse))
-        return applies and _HALF_DIAGONAL_ENV == "1"
 
     @classmethod
     def stream_k(cls, spec) -> bool:
@@ -654,8 +633,7 @@ class FastSm90Forward:
                             rescale_threshold=self.rescale_threshold(spec),
                             rescale_before_pv=self.rescale_before_pv(spec),
                             reduce_chains=self.reduce_chains(spec),
-                            wg_key_bound=self.wg_key_bound(spec),
-                            half_diagonal=self.half_diagonal(spec))
+                            wg_key_bound=self.wg_key_bound(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -166,7 +166,7 @@ class FlashFwdSm90:
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
                  varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
-                 reduce_chains: int = 1, wg_key_bound: bool = False, half_diagonal: bool = False):
+                 reduce_chains: int = 1, wg_key_bound: bool = False):
         self.dtype = dtype
         # independent partial results per row in the softmax's max and sum (online_softmax)
         assert reduce_chains in (1, 2, 4, 8)
@@ -254,14 +254,6 @@ class FlashFwdSm90:
         assert not wg_key_bound or (self.mask_right and not (self.dynamic_mask or stream_k)
                                     and overlap)
         self.wg_key_bound = wg_key_bound
-        # a warpgroup whose rows see at most the first half of the tile's first (diagonal) key
-        # block computes that block's S with an n = tile_n / 2 wgmma: at causal 128 x 128 tiles
-        # with Sq = Sk, the first warpgroup's half of every diagonal block (its P V stays whole:
-        # a P V over half the keys in a run-time branch made ptxas serialize the wgmma chain
-        # for lack of registers; FastSm90Forward.half_diagonal)
-        assert not half_diagonal or (self.mask_right and overlap and not self.dynamic_mask
-                                     and tile_n % 32 == 0)
-        self.half_diagonal = half_diagonal
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
@@ -918,15 +910,6 @@ class FlashFwdSm90:
 
         tSrQ = wg_slice_qk.make_fragment_A(wg_slice_qk.partition_A(sQ))        # (MMA, 1, D/16[, st])
         tSrK = wg_slice_qk.make_fragment_B(wg_slice_qk.partition_B(sK))        # (MMA, 1, D/16, st)
-        tiled_mma_qk_half = tSrK_half = None
-        if const_expr(self.half_diagonal):
-            # S of the first tile_n / 2 keys: the same wgmma at half the n, on K's first rows
-            tiled_mma_qk_half = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-                Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN // 2))
-            sK_half = cute.flat_divide(sK, (BN // 2, D))[None, None, 0, 0, None]  # (BN/2, D, st)
-            wg_slice_qk_half = tiled_mma_qk_half.get_slice(wg * 128)
-            tSrK_half = wg_slice_qk_half.make_fragment_B(wg_slice_qk_half.partition_B(sK_half))
         tOrVt = wg_slice_pv.make_fragment_B(wg_slice_pv.partition_B(sVt))      # (MMA, 1, BN/16, st)
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((BM, Dv)), Float32)
         acc_O_mn = cute.make_tensor(acc_O.iterator, _acc_mn_layout(acc_O.layout))
@@ -1011,8 +994,7 @@ class FlashFwdSm90:
                            row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
                            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
                            win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
-                           softcap_val=softcap_val, kr=None, inter=None, corr_prev=corr_prev,
-                           tiled_mma_qk_half=tiled_mma_qk_half, tSrK_half=tSrK_half)
+                           softcap_val=softcap_val, kr=None, inter=None, corr_prev=corr_prev)
                 if const_expr(self.dynamic_mask):
                     n_blocks, visit, ctx.inter = self.visit_plan(
                         m_block, head_idx, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q,
@@ -1087,16 +1069,7 @@ class FlashFwdSm90:
                         # the right-masked ones, else the unmasked ones, else the left-masked ones
                         n_right, n_unmasked, n_left, _, first_masked = self.take_first_visit(
                             n_masked, n_blocks - n_masked - n_masked_left, n_masked_left)
-                        half = None
-                        if const_expr(self.half_diagonal):
-                            # this warpgroup's rows see no key past the first block's first half
-                            # (then that block is a right-masked one: the tile's first row sees
-                            # less still)
-                            wg_keys = (self.q_pos(m_block * BM + 64 * wg + 63) + 1 + seqlen_k
-                                       - self.q_count(seqlen_q) + win_right)
-                            half = wg_keys <= (n_block_max - 1) * BN + BN // 2
-                        self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked,
-                                              half=half)
+                        self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked)
                         for i in cutlass.range(n_right, unroll=1):
                             kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
                                                              tOrP)
@@ -1681,23 +1654,13 @@ class FlashFwdSm90:
     # ---- with intra-warpgroup overlap ----------------------------------------------------------
     @cute.jit
     def first_half_block(self, ctx, n_block, kv_state, tOrP, masked=True,
-                         csr_mask_entry=True, half=None):
+                         csr_mask_entry=True):
         """S, mask and softmax of the first block (``masked``: a Python bool, or a run-time
         Boolean for dense tiles, which mask it only when it holds the key tail or a mask
-        boundary); its P V runs in the next step. ``half`` (half_diagonal, run time): S of the
-        block's first tile_n / 2 keys only, the others' scores -inf (no row of this warpgroup
-        sees them)."""
+        boundary); its P V runs in the next step."""
         ctx.pipe_k.consumer_wait(kv_state)
-        if const_expr(half is None):
-            acc_S = self.qk(ctx, kv_state)
-            warpgroup.wait_group(0)
-        else:
-            acc_S = cute.make_rmem_tensor(
-                ctx.thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)), Float32)
-            if half:
-                self.qk_into(ctx, acc_S, kv_state, True)
-            else:
-                self.qk_into(ctx, acc_S, kv_state, False)
+        acc_S = self.qk(ctx, kv_state)
+        warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
         self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
@@ -1748,25 +1711,6 @@ class FlashFwdSm90:
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()
         return kv_state
-
-    @cute.jit
-    def qk_into(self, ctx, acc_S, kv_state, half: cutlass.Constexpr):
-        """S = Q K^T into ``acc_S`` and wait for it; ``half``: of the block's first tile_n / 2
-        keys only (the n / 2 accumulator is the first half of the full one's registers: column
-        groups of 8 are its outer mode), the other scores -inf."""
-        if const_expr(half):
-            n_half = cute.size(acc_S) // 2
-            acc_half = cute.make_tensor(acc_S.iterator, cute.make_layout(
-                ctx.tiled_mma_qk_half.get_slice(0).partition_shape_C((self.tile_m, self.tile_n // 2))))
-            self.gemm(ctx.tiled_mma_qk_half, acc_half, ctx.tSrQ,
-                      ctx.tSrK_half[None, None, None, kv_state.index], True)
-            warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(n_half, cute.size(acc_S)):
-                acc_S[i] = -Float32.inf
-        else:
-            self.gemm(ctx.tiled_mma_qk, acc_S, ctx.tSrQ, ctx.tSrK[None, None, None, kv_state.index],
-                      True)
-            warpgroup.wait_group(0)
 
     @cute.jit
     def gemm(self, tiled_mma, acc, tCrA, tCrB, zero_init: cutlass.Constexpr,
