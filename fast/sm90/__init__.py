@@ -474,8 +474,8 @@ class FastSm90Forward:
         rows sees (FlashFwdSm90.wg_key_block_end): with a right bound and tile_n < 128 (hd192 /
         hd256) the first warpgroup's rows never see the tile's last key block, the second
         warpgroup's diagonal, so causal hd256 at tile_n 64 computes one block in 2 (p + 1) less
-        per warpgroup pair. Configs without ping-pong (D > 128), without key ranges, CSR or
-        stream-K. H100, bf16, CUDA-graph replays interleaved, three runs
+        per warpgroup pair. On by default in configs without ping-pong (D > 128); never with
+        key ranges, CSR or stream-K. H100, bf16, CUDA-graph replays interleaved, three runs
         (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py wg_key_bound), time without / with:
         causal hd256 (tile_n 64) 512 / 1k / 2k / 4k 1.030 / 1.024 / 1.020 / 1.012-1.013, hd192
         (tile_n 112) 512-8k 1.018-1.044, hd192 16k 0.994-1.009; but hd256's 80-wide tiles
