@@ -53,6 +53,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "wg_epilogue": ("_WG_EPILOGUE_ENV", "0", "one epilogue"),
          "wg_key_bound": ("_WG_KEY_BOUND_ENV", "0", "plain key bound"),
          "stream_k": ("_STREAM_K_ENV", "0", "no cuts"),
+         "split_tail": ("_SPLIT_TAIL_ENV", "0", "whole pairs"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 
@@ -66,6 +67,15 @@ def _set_rescale_before_pv(module, _attr, value):
     'default' column: off everywhere, with the default threshold)."""
     module._RESCALE_BEFORE_PV_ENV = value or "0"
     module._RESCALE_THRESHOLD_ENV = "0" if value else ""
+
+
+def odd_block_cells():
+    """Causal cells with an odd number of 128-row query blocks (7, 5, 11), whose pairs leave a
+    middle block per head (tile_order.pair_of_unit), on the bench's 16k tokens."""
+    return [B.Cell("fwd", "dense", 18, 896, 896, 16, 16, 128, causal=True),
+            B.Cell("fwd", "dense", 25, 640, 640, 32, 32, 64, causal=True),
+            B.Cell("fwd", "dense", 11, 1408, 1408, 16, 16, 128, causal=True),
+            B.Cell("fwd", "gqa", 18, 896, 896, 32, 8, 128, causal=True)]
 
 
 def main(knob: str, tiles: str = ""):
@@ -114,6 +124,9 @@ def main(knob: str, tiles: str = ""):
     elif knob == "wg_key_bound":  # causal hd256, and hd192 at the same shapes
         hd256 = B.filter_cells(fwd, groups=["dense"], head_dims=[256], causal=True)
         cells = hd256 + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in hd256]
+    elif knob == "split_tail":  # causal cells of short pairs, and odd query block counts
+        cells = B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[512, 1024, 2048])
+        cells += odd_block_cells()
     elif knob == "reduce_chains":  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale

@@ -92,7 +92,7 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
+                   False, False, False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -280,7 +280,7 @@ def test_sm90_packed_args_build_the_right_tensors(causal, window, softcap, monke
     out = torch.zeros(B, Sq, Hq, D, dtype=dt)
     lse = torch.zeros(B, Hq, Sq)
     res = torch.zeros(16)
-    tail = (*fwd.runtime_scalars(spec), 132)
+    tail = fwd.scalar_fields(spec, 132)
     sk = fwd.no_cut_fields(spec)  # stream-K fields: no tile cut
     fn(fwd.pack_args(sch.pack, tail, q, k, v, out, lse, sk),
        make_ptr(cutlass.Float32, res.data_ptr(), AddressSpace.gmem, 4))
@@ -619,7 +619,7 @@ def test_pack_gqa_views_fold_the_group_into_rows():
     out = torch.zeros(B, Sq, Hq, D, dtype=torch.bfloat16)
     lse = torch.zeros(B, Hq, Sq)
     res = torch.zeros(16)
-    fn(fwd.pack_args(sch.pack, (*fwd.runtime_scalars(spec), 132), q, k, v, out, lse,
+    fn(fwd.pack_args(sch.pack, fwd.scalar_fields(spec, 132), q, k, v, out, lse,
                      fwd.no_cut_fields(spec)),
        make_ptr(cutlass.Float32, res.data_ptr(), AddressSpace.gmem, 4))
     for i, (b, row, h, d) in enumerate(probes):

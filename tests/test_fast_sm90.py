@@ -136,6 +136,27 @@ _case("wgkb", 2, 700, 650, 4, 2, 128, "float16", False, "0", wg_key_bound="1", w
 _case("wgkb", 2, 37, 300, 16, 4, 128, "bfloat16", True, wg_key_bound="1")  # packed GQA rows
 _case("wgkb", 1, 8200, 8200, 2, 2, 256, "bfloat16", True, wg_key_bound="1")  # 80-key tiles
 _case("wgkb", 2, 1000, 1000, 4, 2, 256, "bfloat16", True, wg_key_bound="0")
+# the paired order's tail as single tiles (tile_order.split_tail_tile; FastSm90Forward.split_tail):
+# stream-K off, small grids (num_sms) so small shapes have a partly filled last round; odd query
+# block counts (two heads' middle blocks make a unit; a lone last head's middle alone), bottom-right
+# offsets, tiles with no key, a right window bound, packed GQA rows (one query block: every unit
+# two heads'), 3 warpgroups, one epilogue group (D > 128), and the real SM count. The launch
+# splits only where its model gains (FastSm90Forward.split_tail_groups), so the small grids force
+# it (split_tail="1"); the two cases on the real SM count split by the model's choice
+_case("splittail", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stream_k="0", split_tail="1")
+_case("splittail", 1, 896, 896, 3, 3, 128, "bfloat16", True, num_sms=4, stream_k="0", split_tail="1")
+_case("splittail", 2, 700, 700, 6, 2, 64, "float16", True, num_sms=7, stream_k="0", split_tail="1")
+_case("splittail", 1, 1000, 1000, 3, 1, 256, "bfloat16", True, num_sms=5, stream_k="0", split_tail="1")
+_case("splittail", 2, 203, 517, 6, 2, 128, "bfloat16", True, num_sms=5, stream_k="0", split_tail="1")
+_case("splittail", 2, 517, 203, 5, 5, 128, "bfloat16", True, num_sms=4, stream_k="0", split_tail="1")
+_case("splittail", 2, 1000, 1000, 4, 2, 128, "bfloat16", False, num_sms=5, stream_k="0", split_tail="1", window=(-1, 50))
+_case("splittail", 2, 700, 900, 5, 5, 64, "bfloat16", True, num_sms=7, stream_k="0", split_tail="1")
+_case("splittail", 3, 16, 1000, 12, 3, 128, "bfloat16", True, num_sms=3, stream_k="0", split_tail="1")  # packed GQA
+_case("splittail", 1, 4224, 4224, 3, 3, 64, "bfloat16", True, num_sms=7, stream_k="0", split_tail="1")  # 3 WGs
+_case("splittail", 1, 1024, 1024, 140, 140, 128, "bfloat16", True)  # 560 pairs on 132 SMs
+_case("splittail", 3, 1408, 1408, 21, 21, 128, "bfloat16", True)    # odd block count, odd head count
+_case("splittail-off", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stream_k="0",
+      split_tail="0")
 
 
 # varlen: (name, seqlens_q, seqlens_k, Hq, Hkv, D, causal, kw); lengths include 0 and 1
@@ -457,6 +478,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._STREAM_K_MIN_KEYS_ENV = "0" if sm90._NUM_SMS_ENV else ""
             sm90._STREAM_K_ENV = kw.pop("stream_k", "")
             sm90._WG_KEY_BOUND_ENV = kw.pop("wg_key_bound", "")
+            sm90._SPLIT_TAIL_ENV = kw.pop("split_tail", "")
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
             sm90.FORWARD._entries.clear()
@@ -481,6 +503,9 @@ def _run_worker(out_path: str, group: str) -> None:
                 rec["sk_tiles"] = (impl.stream_k_count(call.spec, q.device)
                                    if impl.name == "fast-sm90" and impl.stream_k(call.spec) else 0)
                 rec["wg_key_bound"] = impl.name == "fast-sm90" and impl.wg_key_bound(call.spec)
+                rec["split_tail"] = impl.name == "fast-sm90" and impl.split_tail(call.spec)
+                rec["split_groups"] = (impl.scalar_fields(call.spec, sm90._num_sms(q.device))[-1]
+                                       if rec["split_tail"] else 0)
                 outs = []
                 # stream-K: which of a cut tile's two pieces merges is a race, decided anew each
                 # run: more runs, all bitwise equal
@@ -500,7 +525,7 @@ def _run_worker(out_path: str, group: str) -> None:
             f.write(json.dumps(rec) + "\n")
             f.flush()
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
-        sm90._WG_KEY_BOUND_ENV = ""
+        sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
             if _in_group(case[0], group):
@@ -581,6 +606,9 @@ def test_forward_matches_oracle(results, case):
         assert r["sk_tiles"] == 0
     if name.startswith("wgkb-"):  # the forced key bound reached the kernel
         assert r["wg_key_bound"] is name.endswith("wg_key_bound1")
+    if name.startswith("splittail-"):  # the tail order the case names reached the kernel
+        assert r["split_tail"] is not name.startswith("splittail-off")
+        assert (r["split_groups"] > 0) is not name.startswith("splittail-off")
 
 
 def _run_overhead_worker(out_path: str) -> None:

@@ -462,13 +462,14 @@ def test_fast_sm90_offers_no_launcher_where_forward_does_more_than_one_launch():
 
 def test_fast_sm90_launcher_packs_what_forward_packs(monkeypatch):
     """The replayed launcher hands the compiled entry the same packed values as forward() does
-    (pointers, shapes, strides, runtime scalars: arg_schema's fields), with fresh outputs."""
+    (pointers, shapes, strides, runtime scalars, split tail groups: arg_schema's fields), with fresh
+    outputs."""
     pytest.importorskip("cutlass")
     import dualattn.fast.sm90 as sm90
     impl = sm90.FastSm90Forward()
     q, k, v = _qkv(torch.bfloat16, sq=128, sk=96, hq=4, hkv=2, d=64)
     call = S.build_dense(q, k, v, causal=True, return_lse=True)
-    tail = (*impl.runtime_scalars(call.spec), 132)
+    tail = impl.scalar_fields(call.spec, 132)
     schema = impl.arg_schema(call.spec)
     # (a causal call on the persistent grid carries the stream-K fields; none cut at this size)
     monkeypatch.setattr(sm90, "_NUM_SMS_ENV", "132")  # (no GPU to ask)

@@ -5,9 +5,10 @@ import pytest
 
 from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_tile,
-                                              paired_unit_blocks, paired_units, stream_k_piece,
-                                              stream_k_tiles, tile_share, varlen_paired_tile,
-                                              varlen_paired_units)
+                                              paired_unit_blocks, paired_units, split_tail_groups,
+                                              split_tail_plan, split_tail_slots, split_tail_tile,
+                                              stream_k_piece, stream_k_tiles,
+                                              tile_share, varlen_paired_tile, varlen_paired_units)
 
 
 @pytest.mark.parametrize("num_m_blocks, num_bh, section", [
@@ -60,16 +61,28 @@ def test_paired_order_runs_every_tile_once(num_m_blocks, num_bh, num_sms):
     runs = _paired_schedule(num_m_blocks, num_bh, num_sms)
     tiles = sorted(t for r in runs for t in r)
     assert tiles == [(m, bh) for m in range(num_m_blocks) for bh in range(num_bh)]
-    for r in runs:  # a unit's two blocks back to back, the heavier first, same head
-        i = 0
-        while i < len(r):
-            m0, bh0 = r[i]
-            if 2 * m0 == num_m_blocks - 1:  # an odd count's middle block: a unit of its own
+    for r in runs:
+        _check_units(r, num_m_blocks, num_bh)
+
+
+def _check_units(run, num_m_blocks, num_heads, key=lambda t: t):
+    """A CTA's run is whole units back to back: query blocks p and n - 1 - p of one head, the
+    heavier first, or an odd count's middle blocks of heads 2k and 2k + 1 (a lone last head's
+    middle alone). ``key`` maps an entry to (m_block, head)."""
+    i = 0
+    while i < len(run):
+        m0, h0 = key(run[i])
+        if 2 * m0 == num_m_blocks - 1:
+            if h0 == num_heads - 1 and num_heads % 2:
                 i += 1
                 continue
-            m1, bh1 = r[i + 1]
-            assert bh0 == bh1 and m0 + m1 == num_m_blocks - 1 and m0 > m1
+            assert h0 % 2 == 0 and i + 1 < len(run) and key(run[i + 1]) == (m0, h0 + 1), run[i:i + 2]
+            assert run[i][:-2] == run[i + 1][:-2]  # (varlen: the same sequence)
             i += 2
+            continue
+        m1, h1 = key(run[i + 1])
+        assert h0 == h1 and m0 + m1 == num_m_blocks - 1 and m0 > m1
+        i += 2
 
 
 @pytest.mark.parametrize("seqlen, head_dim", [(512, 128), (1024, 128), (2048, 128), (4096, 128), (1024, 64),
@@ -114,17 +127,122 @@ def test_varlen_paired_order_runs_every_tile_once(tiles_per_sequence, num_heads,
     tiles = sorted(t for r in runs for t in r)
     assert tiles == [(s, h, m) for s, n in enumerate(tiles_per_sequence) for h in range(num_heads)
                      for m in range(n)]
-    for r in runs:  # a unit's two blocks back to back, the heavier first, same sequence and head
+    for r in runs:  # whole units of one sequence back to back
         i = 0
         while i < len(r):
-            s0, h0, m0 = r[i]
-            n = tiles_per_sequence[s0]
-            if 2 * m0 == n - 1:  # an odd count's middle block: a unit of its own
-                i += 1
-                continue
-            s1, h1, m1 = r[i + 1]
-            assert (s0, h0) == (s1, h1) and m0 + m1 == n - 1 and m0 > m1
-            i += 2
+            seq = r[i][0]
+            j = i
+            while j < len(r) and r[j][0] == seq:
+                j += 1
+            _check_units([(s, m, h) for s, h, m in r[i:j]], tiles_per_sequence[seq], num_heads,
+                         key=lambda t: t[1:])
+            i = j
+
+
+@pytest.mark.parametrize("num_m_blocks, num_bh", [(7, 300), (5, 200), (11, 96), (3, 400), (1, 1000), (9, 77)])
+def test_paired_order_balances_odd_block_counts(num_m_blocks, num_bh):
+    """Odd counts of query blocks on 132 SMs: two heads' middle blocks make one unit of a pair's
+    work, so the busiest CTA carries at most one unit more than the mean. (A middle block as a
+    unit of its own, half a pair's work, fell on the same CTAs every round whenever the units per
+    head divided the grid: 7 blocks, 4 units a head, CTAs 3, 7, ... ran only middles.)"""
+    overhead = 1.2
+
+    def cost(m):
+        return overhead + m + 1
+
+    work = [sum(cost(m) for m, _ in r) for r in _paired_schedule(num_m_blocks, num_bh, 132)]
+    mean = sum(cost(m) for m in range(num_m_blocks)) * num_bh / len(work)
+    assert max(work) - mean <= num_m_blocks + 1 + 2 * overhead
+
+
+def _tail_groups(num_m_blocks, num_bh, ctas):
+    """The tail split_tail_groups gives (G + R units' worth of whole groups of heads)."""
+    hpg = 1 + num_m_blocks % 2
+    return split_tail_groups(paired_units(num_m_blocks, num_bh), paired_units(num_m_blocks, hpg),
+                             -(-num_bh // hpg), ctas, min)
+
+
+def _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail=None):
+    """Per CTA, the (m_block, bh) it runs in order with the paired order's last ``tail`` groups
+    of heads split (split_tail_tile; default: split_tail_groups'), as the kernel's grid and slot
+    loop give them."""
+    ctas = min(paired_units(num_m_blocks, num_bh), num_sms)
+    if tail is None:
+        tail = _tail_groups(num_m_blocks, num_bh, ctas)
+    runs = [[] for _ in range(ctas)]
+    for t in range(split_tail_slots(num_m_blocks, num_bh, ctas, tail, min)):
+        m, bh, valid = split_tail_tile(t, ctas, num_m_blocks, num_bh, tail, max, min)
+        if valid:
+            runs[t % ctas].append((m, bh))
+    return runs
+
+
+@pytest.mark.parametrize("num_m_blocks, num_bh, num_sms", [
+    (8, 512, 132), (16, 256, 132), (7, 300, 132), (13, 77, 132), (1, 5, 132), (2, 3, 132), (3, 1, 132),
+    (9, 40, 7), (16, 128, 1), (5, 2, 4), (1, 1, 1), (3, 43, 1), (7, 3, 4), (33, 5, 9)]
+    + [(1 + (i * 7919) % 37, 1 + (i * 104729) % 301, 1 + (i * 1299709) % 140) for i in range(40)])
+def test_split_tail_runs_every_tile_once(num_m_blocks, num_bh, num_sms):
+    """Any number of split groups (0: whole pairs, up to all of them) covers every tile once."""
+    ctas = min(paired_units(num_m_blocks, num_bh), num_sms)
+    num_groups = -(-num_bh // (1 + num_m_blocks % 2))
+    for tail in sorted({0, 1, _tail_groups(num_m_blocks, num_bh, ctas), num_groups // 2, num_groups}):
+        runs = _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail)
+        assert sorted(t for r in runs for t in r) == [(m, bh) for m in range(num_m_blocks)
+                                                      for bh in range(num_bh)], tail
+    assert _split_tail_schedule(num_m_blocks, num_bh, num_sms, 0) == _paired_schedule(num_m_blocks, num_bh, num_sms)
+
+
+@pytest.mark.parametrize("num_m_blocks, num_bh", [(8, 512), (16, 256), (8, 256), (16, 128), (16, 64),
+                                                  (7, 300), (32, 16), (13, 77), (21, 20)])
+def test_split_tail_fills_the_last_round(num_m_blocks, num_bh):
+    """The bench's short causal cells (1k / 2k keys, 128-row tiles, 132 SMs: 7.76 or 15.5 rounds
+    of pairs) and odd ones: with a tile costing its key blocks plus a fixed overhead, whole pairs
+    leave the busiest CTA 3 % over the mean (hd64 causal 1k: 1.031); the split tail brings it
+    within 1 % at the bench's shapes and never above whole pairs."""
+    overhead = 1.2
+
+    def cost(m):
+        return overhead + m + 1
+
+    def busiest(runs):
+        work = [sum(cost(m) for m, _ in r) for r in runs]
+        return max(work) / (sum(work) / len(work))
+
+    whole = busiest(_paired_schedule(num_m_blocks, num_bh, 132))
+    split = busiest(_split_tail_schedule(num_m_blocks, num_bh, 132))
+    assert split <= whole + 1e-9
+    if (num_m_blocks, num_bh) in ((8, 512), (16, 256), (8, 256), (16, 128), (16, 64), (32, 16)):
+        assert whole > 1.025 and split < 1.01
+
+
+def test_split_tail_runs_the_tail_heaviest_first():
+    """Tail tiles come heaviest first: each CTA's tail query blocks never grow, and the first
+    tail round takes the tail heads' last query blocks; every round before is whole pairs."""
+    nm, bh, ctas = 8, 512, 132
+    for c, r in enumerate(_split_tail_schedule(nm, bh, ctas)):
+        tail = [(m, h) for m, h in r if h >= 462]  # 200 units: 50 heads of 4 pairs
+        assert [m for m, _ in tail] == sorted((m for m, _ in tail), reverse=True)
+        assert tail and r[-len(tail):] == tail
+        _check_units(r[:-len(tail)], nm, bh)
+    first_round = [split_tail_tile(t, ctas, nm, bh, 50, max, min) for t in range(2 * 14 * ctas, 2 * 14 * ctas + ctas)]
+    assert {m for m, _, v in first_round if v} == {7, 6, 5}
+
+
+def test_split_tail_plan_splits_where_its_model_gains_and_the_tail_fits_l2():
+    """The launch's choice (split_tail_plan, tile = key blocks + 1.2): the bench's causal hd64 /
+    hd128 cells at 1k and 2k split (3 % -> under 1 %); 4 query blocks a head (512 keys) do not:
+    the snake of tiles 4, 3, 2, 1 evens nothing out; a tail whose K/V does not fit is refused
+    (hd256 1k: 62 heads of 1 MB), and whole rounds have no tail."""
+    def plan(nm, bh, fits=lambda heads: True):
+        return split_tail_plan(nm, bh, 132, lambda m: m + 1 + 1.2, fits)
+
+    assert plan(8, 512) == 50 and plan(16, 256) == 25 and plan(8, 256) == 58
+    assert plan(4, 1024) > 0 and plan(4, 512) == 0
+    assert plan(8, 128, lambda heads: heads <= 32) == 0
+    assert plan(16, 64, lambda heads: heads <= 32) > 0 and plan(16, 64, lambda heads: heads <= 8) == 0
+    assert plan(8, 33 * 4) == 0  # 528 units: 4 whole rounds
+    assert plan(13, 77) > 0 and plan(9, 100) > 0  # odd block counts, few rounds
+    assert plan(7, 300) == 0  # 1050 units: 7.95 rounds, nothing to gain
 
 
 def test_varlen_paired_order_balances_the_bench_documents():
@@ -244,7 +362,7 @@ def _paired_stream_k_schedule(num_m_blocks, num_bh, num_ctas, key_blocks):
 @pytest.mark.parametrize("num_m_blocks, num_bh, num_ctas, shape", [
     (128, 16, 132, "diag"), (64, 32, 132, "diag"), (32, 64, 132, "diag"), (64, 64, 132, "diag"),
     (86, 32, 132, "wide"), (43, 64, 132, "wide"), (22, 128, 132, "wide"), (17, 40, 132, "diag"),
-    (9, 7, 4, "wide"), (4, 33, 16, "offset"), (7, 3, 5, "offset"), (1, 300, 132, "diag")])
+    (9, 7, 5, "wide"), (4, 33, 16, "offset"), (7, 3, 5, "offset"), (1, 300, 132, "diag")])
 def test_paired_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_once(
         num_m_blocks, num_bh, num_ctas, shape):
     """Units of (nearly) equal work: square causal tiles (diag), 192-row query tiles over 128-key
@@ -261,8 +379,11 @@ def test_paired_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_onc
     grid = min(num_ctas, paired_units(num_m_blocks, num_bh))
     # the busiest CTA carries the average work up to a unit's spread of work plus a key block;
     # without the cut it would carry a whole unit more than most (the last round)
-    spread = unit_blocks - min(key_blocks(num_m_blocks - 1 - p) + (key_blocks(p) if p < num_m_blocks - 1 - p else 0)
-                               for p in range((num_m_blocks + 1) // 2))
+    mid = num_m_blocks // 2
+    costs = [key_blocks(num_m_blocks - 1 - p) + key_blocks(p) for p in range(mid)]
+    if num_m_blocks % 2:  # two heads' middle blocks (a lone last head's alone)
+        costs += [2 * key_blocks(mid)] + ([key_blocks(mid)] if num_bh % 2 else [])
+    spread = unit_blocks - min(costs)
     assert max(work) <= -(-total // grid) + spread + 1
     if unit_blocks > 1:  # (one key block per unit: nothing finer than a unit to share out)
         assert max(work) < -(-paired_units(num_m_blocks, num_bh) // grid) * unit_blocks

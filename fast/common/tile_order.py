@@ -47,9 +47,23 @@ def heavy_first_in_sections(tile, num_m_blocks, num_bh, section_heads, minimum):
     return m_block, bh
 
 
+def _pair_groups(num_m_blocks):
+    """(pairs per head, heads per group, units per group) of the paired order. An even count of
+    query blocks pairs within each head (a group is one head); an odd count leaves each head a
+    middle block, and the middle blocks of two heads make one more unit (a group is two heads:
+    both heads' pairs, then their middles), so every unit costs the same (pair_of_unit)."""
+    pairs = num_m_blocks // 2
+    odd = num_m_blocks - 2 * pairs
+    return pairs, 1 + odd, (1 + odd) * pairs + odd
+
+
 def paired_units(num_m_blocks, num_bh):
-    """Work units of the paired order (``paired_tile``): one per pair of query blocks per head."""
-    return (num_m_blocks + 1) // 2 * num_bh
+    """Work units of the paired order (``paired_tile``): a pair of query blocks of one head, or
+    (odd counts) the middle blocks of two heads; a last, lone head's middle block is a unit
+    alone."""
+    pairs, _, _ = _pair_groups(num_m_blocks)
+    odd = num_m_blocks - 2 * pairs
+    return num_bh * pairs + odd * ((num_bh + 1) // 2)
 
 
 def paired_slot(tile, num_ctas):
@@ -62,17 +76,24 @@ def paired_slot(tile, num_ctas):
 
 
 def pair_of_unit(unit, second, num_m_blocks, num_bh):
-    """(m_block, bh, valid) of block ``second`` of ``unit``, the units going head by head, each
-    head's ((num_m_blocks + 1) // 2 of them) pairing query blocks p and num_m_blocks - 1 - p.
-    ``valid`` is false past the last head and for the second block of an odd count's middle
-    unit."""
-    units_per_bh = (num_m_blocks + 1) // 2
-    bh = unit // units_per_bh
-    light = unit - bh * units_per_bh
+    """(m_block, bh, valid) of block ``second`` of ``unit``. Units go group by group
+    (_pair_groups): with an even count, head by head, each head's num_m_blocks / 2 units
+    pairing query blocks p and num_m_blocks - 1 - p (heavier first); with an odd count, two
+    heads at a time, their middle blocks first (one unit: the first head's, then the second's),
+    then each head's pairs. ``valid`` is false past the last head (a lone last head's middle
+    unit has one block). Branch-free (the kernel traces it with Int32 operands)."""
+    pairs, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
+    odd = heads_per_group - 1
+    group = unit // units_per_group
+    r = unit - group * units_per_group
+    middle = odd * (1 - (r + units_per_group - 1) // units_per_group)  # 1 for an odd count's r = 0
+    rp = r - odd + middle  # the pair's number within the group (0 for the middle unit)
+    head_of_pair = rp // (pairs + 1 // (pairs + 1))  # (one query block: no pairs, all middles)
+    light = rp - head_of_pair * pairs
     heavy = num_m_blocks - 1 - light
-    m_block = heavy - second * (heavy - light)
-    valid = (bh < num_bh) & ((second == 0) | (light < heavy))
-    return m_block, bh, valid
+    m_block = (heavy - second * (heavy - light)) * (1 - middle) + pairs * middle
+    bh = group * heads_per_group + head_of_pair * (1 - middle) + second * middle
+    return m_block, bh, bh < num_bh
 
 
 def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
@@ -80,8 +101,9 @@ def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
     strides by ``num_ctas`` over 2 * num_ctas * ceil(units / num_ctas) slots.
 
     The unit of work is a pair of query blocks of one head, p and num_m_blocks - 1 - p (heavier
-    first). Causal block m visits about m + 1 key blocks, so every pair costs about the same
-    (num_m_blocks + 1 blocks; with Sq != Sk the offset is the same for both). CTA c runs unit
+    first), or with an odd count the middle blocks of two heads (pair_of_unit). Causal block m
+    visits about m + 1 key blocks, so every unit costs about the same (num_m_blocks + 1 blocks;
+    with Sq != Sk the offset is the same for all). CTA c runs unit
     c, c + num_ctas, ... whole, two slots per unit: the static stride is then balanced up to one
     unit, where heaviest-first single tiles left 11-13 % of the SM time idle at hd128 1k-4k (the
     CPU model of tests/test_tile_order.py; Nsight Compute measured 12 % at 1k). Units go head
@@ -91,11 +113,113 @@ def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
     return pair_of_unit(unit, second, num_m_blocks, num_bh)
 
 
+# -- the paired order's tail as single tiles -----------------------------------------------------
+#
+# Pairs too short to be cut along the keys (stream-K's key minimum) keep the static stride's
+# partly filled last round: R = units % G of the G CTAs run one unit more than the rest, about
+# 1 / rounds of the SM time idle (the bench's 16k-token causal cells at 1k / 2k keys: 7.76 or
+# 15.5 rounds, ~3 %). Instead the order's last groups of heads (_pair_groups), at least G + R
+# units' worth, can run as single tiles, heaviest first (query block n - 1 of every tail head,
+# then n - 2, ...), dealt to the CTAs in a snake (round k forwards from the CTAs that ran one unit
+# less, round k + 1 backwards), so the heavy tiles go to the least loaded CTAs, and no tile is
+# cut, so nothing is merged. The snake is no longer-processing-time-first: where few tiles a CTA
+# remain (4 query blocks) it evens nothing out, and the tail's heads run at once, whose K/V must
+# fit in L2. So the launch models both orders (split_tail_plan) and passes the tail's groups,
+# 0 where splitting does not pay.
+
+def split_tail_groups(units, units_per_group, num_groups, num_ctas, minimum):
+    """Groups of heads (_pair_groups) at the end of the paired order that a split tail takes:
+    enough for the grid's partly filled last round and one round more (G + R units, whole
+    groups), 0 where every round is full (R = 0, also when there are no more units than CTAs)."""
+    rem = units - (units // num_ctas) * num_ctas
+    return (minimum((num_ctas + rem + units_per_group - 1) // units_per_group, num_groups)
+            * minimum(rem, 1))
+
+
+def _split_tail(num_m_blocks, num_bh, num_ctas, tail, minimum):
+    """(units before the tail, slots they take, first tail head, tail heads) of split_tail_tile
+    with ``tail`` groups split."""
+    _, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
+    num_groups = (num_bh + heads_per_group - 1) // heads_per_group
+    dp_units = (num_groups - tail) * units_per_group
+    first_head = minimum((num_groups - tail) * heads_per_group, num_bh)  # (a lone last head)
+    return dp_units, 2 * num_ctas * ((dp_units + num_ctas - 1) // num_ctas), first_head, num_bh - first_head
+
+
+def split_tail_slots(num_m_blocks, num_bh, num_ctas, tail, minimum):
+    """Bound of the loop over split_tail_tile's slots: the paired units before the tail (two
+    slots per unit, whole rounds of the grid), then the tail tiles (one slot each, whole
+    rounds)."""
+    _, dp_slots, _, heads = _split_tail(num_m_blocks, num_bh, num_ctas, tail, minimum)
+    return dp_slots + num_ctas * ((heads * num_m_blocks + num_ctas - 1) // num_ctas)
+
+
+def _snake(tile, num_ctas, dp_units, dp_slots, maximum):
+    """Number j of the tail tile that slot ``tile`` (past dp_slots) takes: round k of the tail
+    deals tiles k G .. k G + G - 1 to the CTAs forwards when k is even, backwards when odd,
+    starting from the CTAs that ran one unit less before the tail (dp_units mod G and on)."""
+    k = maximum(tile - dp_slots, 0) // num_ctas
+    cta = tile - (tile // num_ctas) * num_ctas
+    lighter = dp_units - (dp_units // num_ctas) * num_ctas
+    pos = cta - lighter + num_ctas
+    pos = pos - (pos // num_ctas) * num_ctas
+    backwards = k - (k // 2) * 2
+    return k * num_ctas + pos + backwards * (num_ctas - 1 - 2 * pos)
+
+
+def split_tail_tile(tile, num_ctas, num_m_blocks, num_bh, tail, maximum, minimum):
+    """(m_block, bh, valid) of slot ``tile`` of the paired order with its last ``tail`` groups
+    split: slots before the tail are paired_tile's, restricted to the units before it; a tail
+    slot takes tail tile j (_snake), the tail's tiles numbered heaviest first. ``tail`` = 0 is
+    the paired order. Branch-free, so the kernel and the CPU model run the same code."""
+    dp_units, dp_slots, first_head, heads = _split_tail(num_m_blocks, num_bh, num_ctas, tail, minimum)
+    unit, second = paired_slot(tile, num_ctas)
+    m_dp, bh_dp, valid_dp = pair_of_unit(unit, second, num_m_blocks, num_bh)
+    j = _snake(tile, num_ctas, dp_units, dp_slots, maximum)
+    per_block = maximum(heads, 1)
+    m_tail = num_m_blocks - 1 - j // per_block
+    bh_tail = first_head + j - (j // per_block) * per_block
+    in_tail = minimum(maximum(tile - dp_slots + 1, 0), 1)  # 0 or 1
+    m_block = m_dp + (m_tail - m_dp) * in_tail
+    bh = bh_dp + (bh_tail - bh_dp) * in_tail
+    valid = ((valid_dp & (unit < dp_units) & (tile < dp_slots))
+             | ((j < heads * num_m_blocks) & (tile >= dp_slots)))
+    return m_block, bh, valid
+
+
+SPLIT_TAIL_MIN_GAIN = 0.01  # see split_tail_plan
+
+
+def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda heads: True,
+                    min_gain=SPLIT_TAIL_MIN_GAIN):
+    """Groups the launch splits (split_tail_tile), or 0: the busiest CTA's modelled work
+    (``tile_cost(m_block)`` summed over its tiles; the units before the tail taken as equal)
+    must drop by ``min_gain`` against whole pairs, and ``tail_fits(tail heads)`` (their K/V in
+    L2) must hold. Host-side, O(tail tiles)."""
+    pairs, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
+    units = paired_units(num_m_blocks, num_bh)
+    num_groups = (num_bh + heads_per_group - 1) // heads_per_group
+    tail = split_tail_groups(units, units_per_group, num_groups, num_ctas, min)
+    if tail == 0:
+        return 0
+    unit_cost = sum(tile_cost(m) for m in range(num_m_blocks)) * heads_per_group / units_per_group
+    whole = -(-units // num_ctas) * unit_cost
+    dp_units, dp_slots, first_head, heads = _split_tail(num_m_blocks, num_bh, num_ctas, tail, min)
+    loads = [(dp_units // num_ctas + (c < dp_units % num_ctas)) * unit_cost for c in range(num_ctas)]
+    for t in range(dp_slots, split_tail_slots(num_m_blocks, num_bh, num_ctas, tail, min)):
+        j = _snake(t, num_ctas, dp_units, dp_slots, max)
+        if j < heads * num_m_blocks:
+            loads[t % num_ctas] += tile_cost(num_m_blocks - 1 - j // heads)
+    if max(loads) > (1 - min_gain) * whole or not tail_fits(heads):
+        return 0
+    return tail
+
+
 def varlen_paired_units(tiles_per_sequence, num_heads):
-    """Units of the varlen paired order: sequence by sequence, head by head, (n + 1) // 2 pairs of
-    each head's n query blocks. A CPU model of the kernel's search (FlashFwdSm90.varlen_unit_doc)
+    """Units of the varlen paired order: sequence by sequence, paired_units(n, heads) for a
+    sequence of n query blocks. A CPU model of the kernel's search (FlashFwdSm90.varlen_unit_doc)
     and of its slot bound; the kernel computes the same sums with a warp scan over cu_seqlens."""
-    return sum(num_heads * ((n + 1) // 2) for n in tiles_per_sequence)
+    return sum(paired_units(n, num_heads) for n in tiles_per_sequence)
 
 
 def varlen_paired_tile(tile, num_ctas, tiles_per_sequence, num_heads):
@@ -105,7 +229,7 @@ def varlen_paired_tile(tile, num_ctas, tiles_per_sequence, num_heads):
     unit, second = paired_slot(tile, num_ctas)
     first = 0
     for seq, n in enumerate(tiles_per_sequence):
-        count = num_heads * ((n + 1) // 2)
+        count = paired_units(n, num_heads)
         if unit < first + count:
             m_block, head, valid = pair_of_unit(unit - first, second, n, num_heads)
             return m_block, seq, head, valid
@@ -192,13 +316,15 @@ def tile_share(unit_start, unit_end, first, blocks, maximum, minimum):
 
 def paired_unit_blocks(num_m_blocks, key_blocks):
     """(most, fewest) key blocks of a unit of the paired order and of one of its tiles, given
-    ``key_blocks(m_block)``, the key blocks a query block visits. Host-side (the launch passes
+    ``key_blocks(m_block)``, the key blocks a query block visits (a unit of two heads' middle
+    blocks counts both). Host-side (the launch passes
     the first; a tile with no key block at all rules the cut out, see FastSm90Forward)."""
+    pairs = num_m_blocks // 2
     most, fewest = 0, 1 << 30
-    for light in range((num_m_blocks + 1) // 2):
-        heavy = num_m_blocks - 1 - light
-        a = key_blocks(heavy)
-        b = key_blocks(light) if light < heavy else None
-        most = max(most, a + (b or 0))
-        fewest = min(fewest, a, a if b is None else b)
+    for light in range(pairs):
+        a, b = key_blocks(num_m_blocks - 1 - light), key_blocks(light)
+        most, fewest = max(most, a + b), min(fewest, a, b)
+    if num_m_blocks % 2:  # two heads' middle blocks (a lone last head's alone: fewer)
+        mid = key_blocks(pairs)
+        most, fewest = max(most, 2 * mid), min(fewest, mid)
     return most, fewest

@@ -29,8 +29,10 @@ import torch
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
-from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, STREAM_K_MIN_KEYS, paired_unit_blocks,
-                                              paired_units, stream_k_tiles)
+from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
+                                              heads_per_section,
+                                              paired_unit_blocks, paired_units, split_tail_plan,
+                                              stream_k_tiles)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -53,6 +55,7 @@ _RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  
 _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm90Forward.wg_epilogue
 _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
+_SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -149,6 +152,7 @@ CAUSAL_3WG_MIN_SEQLEN = 4096  # causal hd64 from this many queries runs 3 warpgr
 RESCALE_THRESHOLD = 8.0  # see FastSm90Forward.rescale_threshold: P <= 2^8 between rescales
 RESCALE_THRESHOLD_MIN_DV = 192
 CAUSAL_PER_TILE_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs one CTA per tile
+SPLIT_TAIL_TILE_OVERHEAD = 1.2  # key blocks' worth of a tile's start and epilogue (split_tail_groups)
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
 
@@ -371,7 +375,7 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
-                self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.split_tail(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -515,6 +519,44 @@ class FastSm90Forward:
         return cls._stream_k_order(spec) and cls.stream_k_units(spec)[1] > 0
 
     @classmethod
+    def split_tail(cls, spec) -> bool:
+        """The paired order's last units can run as single tiles, heaviest first, dealt to the
+        CTAs in a snake (fast/common/tile_order.split_tail_tile), where stream-K does not cut
+        them: batched paired calls without a left window bound (whose tiles are heavier the later
+        they come) and with pairs too short for stream-K (or an empty tile). The
+        static stride of whole pairs leaves the grid's last round partly filled (the bench's
+        16k-token causal cells at 1k / 2k keys: 7.76 or 15.5 rounds on 132 SMs); single tiles
+        fill it, and nothing is merged. The launch decides per shape how many groups of heads
+        (split_tail_groups, 0 for none). DUALATTN_SM90_SPLIT_TAIL=0 turns it off, =1 splits
+        wherever a round is partly filled, whatever the model says (comparisons, tests)."""
+        return (cls.paired(spec) and spec.mode == "batched" and spec.window[0] < 0
+                and not cls.stream_k(spec) and _SPLIT_TAIL_ENV != "0")
+
+    @classmethod
+    def split_tail_groups(cls, spec, num_sms: int) -> int:
+        """Groups of heads whose tiles the launch splits (tile_order.split_tail_plan): the
+        busiest CTA's modelled work (a tile: its key blocks, from paired_key_blocks, plus
+        SPLIT_TAIL_TILE_OVERHEAD) must drop by 1 %, and the tail heads' K/V, which run at
+        once, must fit an L2 section. 0 for whole pairs."""
+        tile_m = cls.config(spec)[0]
+        g = cls.pack_gqa(spec)
+        num_m_blocks = -(-(g * spec.seqlen_q) // tile_m)
+        hb = spec.batch * (spec.num_heads_q // g)
+        units = paired_units(num_m_blocks, hb)
+        key_blocks = cls.paired_key_blocks(spec)
+        row_bytes = (spec.head_dim + spec.head_dim_v) * spec.dtype.itemsize
+        # query heads of one KV head share its K/V (packed GQA tiles already hold the group)
+        share = spec.num_heads_q // max(spec.num_heads_kv, 1) // g
+
+        def fits(heads):
+            return heads <= heads_per_section(spec.seqlen_k, row_bytes, max) * share
+
+        forced = _SPLIT_TAIL_ENV == "1"
+        return split_tail_plan(num_m_blocks, hb, min(units, num_sms),
+                               lambda m: key_blocks(m) + SPLIT_TAIL_TILE_OVERHEAD,
+                               (lambda heads: True) if forced else fits, -1.0 if forced else SPLIT_TAIL_MIN_GAIN)
+
+    @classmethod
     def _stream_k_order(cls, spec) -> bool:
         """The call's persistent order has units of equal work (stream_k, before the keys)."""
         plain = not spec.causal and spec.window == (-1, -1)
@@ -633,7 +675,7 @@ class FastSm90Forward:
                             rescale_threshold=self.rescale_threshold(spec),
                             rescale_before_pv=self.rescale_before_pv(spec),
                             reduce_chains=self.reduce_chains(spec),
-                            wg_key_bound=self.wg_key_bound(spec))
+                            wg_key_bound=self.wg_key_bound(spec), split_tail=self.split_tail(spec))
 
     @staticmethod
     def arg_schema(spec):
@@ -654,6 +696,8 @@ class FastSm90Forward:
             fields += [(f"{t}_stride_{m}", "i64") for t in "qkv" for m in "bsh"]
         fields += [("scale_log2", "f32"), ("win_left", "i32"), ("win_right", "i32"),
                    ("softcap_scale", "f32"), ("softcap", "f32"), ("num_sms", "i32")]
+        if FastSm90Forward.split_tail(spec):  # groups of heads split (FlashFwdSm90.from_packed)
+            fields += [("split_tail_groups", "i32")]
         # feature fields (FlashFwdSm90.feature_args): flat int32 arrays + element strides
         if spec.has_key_ranges:
             fields += [("key_ranges", ("ptr", cutlass.Int32, 8)), ("kr_sb", "i32"), ("kr_sh", "i32")]
@@ -689,6 +733,13 @@ class FastSm90Forward:
     def compile_only(self, spec, arch: int = 90, keep_ptx: bool = True):
         """Trace and assemble for ``arch`` without a GPU; returns the compiled object."""
         return self.compile_for(spec, arch, keep_ptx)
+
+    @classmethod
+    def scalar_fields(cls, spec, num_sms: int) -> tuple:
+        """The packed fields after the q/k/v strides (arg_schema): runtime_scalars, the SM count
+        the persistent grid is sized by, and with split_tail the tail's groups of heads."""
+        split = (cls.split_tail_groups(spec, num_sms),) if cls.split_tail(spec) else ()
+        return (*cls.runtime_scalars(spec), num_sms, *split)
 
     @staticmethod
     def runtime_scalars(spec):
@@ -730,7 +781,7 @@ class FastSm90Forward:
         arch = target_arch(dispatch.device_arch(device.index or 0))
         key = self.compile_key(spec, arch)
         fn = self.cache.get(key, lambda: self.compile_for(spec, arch))
-        tail = (*self.runtime_scalars(spec), _num_sms(device))
+        tail = self.scalar_fields(spec, _num_sms(device))
         sk_plan = ((*self.stream_k_plan(spec, device), self.config(spec)[0] // 64, self.paired(spec))
                    if self.stream_k(spec) else None)
         hit = (DirectLauncher(fn), self.arg_schema(spec).pack, tail, sk_plan)

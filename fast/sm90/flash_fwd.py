@@ -50,7 +50,8 @@ from dualattn.fast.common.softmax import merge_scales, mul_rn, tree_reduce
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_slot,
-                                              paired_tile, paired_units, stream_k_piece,
+                                              paired_tile, paired_units, split_tail_slots,
+                                              split_tail_tile, stream_k_piece,
                                               tile_share)
 from dualattn.fast.common.mask import (
     apply_key_ranges,
@@ -166,7 +167,7 @@ class FlashFwdSm90:
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
                  varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
-                 reduce_chains: int = 1, wg_key_bound: bool = False):
+                 reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False):
         self.dtype = dtype
         # independent partial results per row in the softmax's max and sum (online_softmax)
         assert reduce_chains in (1, 2, 4, 8)
@@ -218,6 +219,12 @@ class FlashFwdSm90:
         # (tile_order.paired_tile; FastSm90Forward.paired decides)
         assert not paired or (persistent and self.mask_right and not self.dynamic_mask)
         self.paired = paired
+        # the paired order's last units as single tiles, heaviest first, dealt in a snake
+        # (tile_order.split_tail_tile): the partly filled last round of pairs too short for
+        # stream-K (FastSm90Forward.split_tail compiles it in; the launch passes how many groups
+        # of heads, 0 for none, as sk = (groups,))
+        assert not split_tail or (paired and not (varlen or stream_k))
+        self.split_tail = split_tail
         # varlen causal / right-bounded tiles heaviest first within L2 sections of (sequence,
         # head) pairs, as batched calls (FastSm90Forward.varlen_sections decides); off: heaviest
         # first across all sequences and heads at once
@@ -378,7 +385,7 @@ class FlashFwdSm90:
             *((vl,) if const_expr(self.varlen) else ()),
             **({"kr": kr} if const_expr(self.num_key_ranges > 0) else {}),
             **({"bs": bs} if const_expr(self.block_sparse) else {}),
-            **({"sk": sk} if const_expr(self.stream_k) else {}),
+            **({"sk": sk} if const_expr(self.stream_k or self.split_tail) else {}),
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  smem=SharedStorage.size_in_bytes())
 
@@ -422,8 +429,11 @@ class FlashFwdSm90:
         pointers, shapes, strides and the scalars; no DLPack conversion per call."""
         vals = args.values
         mQ, mK, mV, mO, mLSE = self.tensors_from_pointers(*vals[:19])
-        self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None,
-                      *self.feature_args(vals[25:]))
+        if const_expr(self.split_tail):  # the tail's groups of heads follow num_sms
+            self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None, sk=(vals[25],))
+        else:
+            self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None,
+                          *self.feature_args(vals[25:]))
 
     def feature_args(self, vals):
         """(kr, bs, sk) of ``__call__`` from the packed fields after the scalars (see
@@ -563,6 +573,10 @@ class FlashFwdSm90:
             gx = cute.arch.grid_dim()[0]
             units = self.varlen_unit_doc(Int32(1 << 30), vl, cute.size(mQ.shape[2]))[3]
             n = 2 * gx * cute.ceil_div(units, gx)
+        elif const_expr(self.paired and self.split_tail):
+            n = split_tail_slots(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
+                                 cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]),
+                                 cute.arch.grid_dim()[0], sk[0], cutlass.min)
         elif const_expr(self.paired):
             gx = cute.arch.grid_dim()[0]
             units = paired_units(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
@@ -581,7 +595,8 @@ class FlashFwdSm90:
         (tile_order.stream_k_piece): its key-block range [start, end) narrows the tile's; a piece
         past the CTA's share is inactive."""
         if const_expr(not self.stream_k):
-            return (*self.tile_coords(tile, mQ, mK, win_left, win_right, vl), Boolean(False), Int32(0))
+            return (*self.tile_coords(tile, mQ, mK, win_left, win_right, vl, split=sk),
+                    Boolean(False), Int32(0))
         if const_expr(self.paired):
             return self.paired_item_coords(tile, mQ, mK, win_left, win_right, sk)
         sk_tiles = sk[2]
@@ -693,7 +708,7 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None, placed=None):
+    def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None, placed=None, split=None):
         """(m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
         offset_k, active) of a linear tile index; the offsets are the sequence's first row in the
         packed tensors (varlen; 0 otherwise). ``active``: the tile has rows to compute, which
@@ -708,7 +723,8 @@ class FlashFwdSm90:
         section is then consecutive heads of one sequence, then the next). Causal on the persistent grid (``paired``): pairs of query blocks of equal
         total work, one pair per CTA at a time (tile_order.paired_tile). ``placed``: the
         (m_block, batch * heads + head, active) of the tile when the caller has placed it
-        (paired_item_coords) instead of a linear index.
+        (paired_item_coords) instead of a linear index. ``split``: (tail groups,) of the paired
+        order with its tail split (split_tail).
         """
         BM, BN = self.tile_m, self.tile_n
         seqlen_q = cute.size(mQ.shape[0])  # g * Sq rows with pack_gqa
@@ -731,6 +747,9 @@ class FlashFwdSm90:
                 # pairs within each sequence, numbered across sequences (a warp scan of cu_seqlens
                 # per tile; FastSm90Forward.paired keeps it to calls of few, long sequences)
                 m_block, rest, active = self.varlen_paired_tile(tile, vl, num_heads)
+            elif const_expr(self.paired and self.split_tail):
+                m_block, rest, active = split_tail_tile(tile, cute.arch.grid_dim()[0], num_m_blocks,
+                                                        hb, split[0], cutlass.max, cutlass.min)
             elif const_expr(self.paired):
                 m_block, rest, active = paired_tile(tile, cute.arch.grid_dim()[0], num_m_blocks, hb)
             elif const_expr(self.varlen and not self.varlen_sections):
@@ -776,7 +795,7 @@ class FlashFwdSm90:
     def varlen_unit_doc(self, unit, vl, num_heads):
         """(sequence, its first unit, its query blocks, units counted) of unit ``unit`` of the
         varlen paired order (fast/common/tile_order.varlen_paired_tile is the CPU model): each
-        sequence holds heads * ((n + 1) // 2) units for its n query blocks. Warp-cooperative (every
+        sequence holds paired_units(n, heads) units for its n query blocks. Warp-cooperative (every
         lane of the calling warp, converged): 32 sequences per step, each lane one sequence, an
         inclusive scan by shuffles, then a ballot finds the sequence whose units hold ``unit``.
         Past the last unit: sequence = batch, and "units counted" is the total."""
@@ -794,7 +813,7 @@ class FlashFwdSm90:
             n = Int32(0)
             if idx < num_batch:
                 n = (mCuQ[idx + 1] - mCuQ[idx] + (BM - 1)) // BM
-            u = num_heads * ((n + 1) // 2)
+            u = paired_units(n, num_heads)
             incl = u
             for s in cutlass.range_constexpr(5):
                 t = cute.arch.shuffle_sync_up(incl, 1 << s)
