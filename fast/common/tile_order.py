@@ -122,10 +122,10 @@ def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
 # units' worth, can run as single tiles, heaviest first (query block n - 1 of every tail head,
 # then n - 2, ...), dealt to the CTAs in a snake (round k forwards from the CTAs that ran one unit
 # less, round k + 1 backwards), so the heavy tiles go to the least loaded CTAs, and no tile is
-# cut, so nothing is merged. The snake is no longer-processing-time-first: where few tiles a CTA
-# remain (4 query blocks) it evens nothing out, and the tail's heads run at once, whose K/V must
-# fit in L2. So the launch models both orders (split_tail_plan) and passes the tail's groups,
-# 0 where splitting does not pay.
+# cut, so nothing is merged. The snake only approximates longest-processing-time first: with
+# few tiles per CTA (4 query blocks a head) it evens nothing out. And the tail's heads run at
+# once, so their K/V must fit in L2. Hence the launch models both orders (split_tail_plan) and
+# passes the tail's groups, 0 where splitting does not pay (H100 A/B: docs section 25).
 
 def split_tail_groups(units, units_per_group, num_groups, num_ctas, minimum):
     """Groups of heads (_pair_groups) at the end of the paired order that a split tail takes:
