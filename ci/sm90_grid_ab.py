@@ -23,6 +23,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                                 # causal dense / GQA cells
     python ci/sm90_grid_ab.py varlen_sections   # varlen causal tiles in L2 sections against
                                                 # heaviest first across all, on packed documents
+    python ci/sm90_grid_ab.py bit_mask     # element masks from a bit set per row against a
+                                           # compare per element, on the mask and causal cells
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
@@ -54,6 +56,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "wg_key_bound": ("_WG_KEY_BOUND_ENV", "0", "plain key bound"),
          "stream_k": ("_STREAM_K_ENV", "0", "no cuts"),
          "split_tail": ("_SPLIT_TAIL_ENV", "0", "whole pairs"),
+         "bit_mask": ("_BIT_MASK_ENV", "0", "compare masks"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 
@@ -127,6 +130,8 @@ def main(knob: str, tiles: str = ""):
     elif knob == "split_tail":  # causal cells of short pairs, and odd query block counts
         cells = B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[512, 1024, 2048])
         cells += odd_block_cells()
+    elif knob == "bit_mask":  # the mask cells, and the causal dense / GQA cells to 4k
+        cells += B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[1024, 2048, 4096])
     elif knob == "reduce_chains":  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale

@@ -92,7 +92,9 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
+                   False, False, False, False, True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True,
+                   "sm_90a")
+    # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -901,3 +903,102 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     ptx_off = FORWARD.compile_only(on_specs[0], arch=90).__ptx__
     assert _loops_with(ptx_on, "mbarrier.try_wait") > _loops_with(ptx_off, "mbarrier.try_wait")
     assert _loops_with(ptx_on, "wgmma.mma_async") == _loops_with(ptx_off, "wgmma.mma_async")
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d, causal, window, hq, hkv, nkr", [
+    (128, True, (-1, -1), 4, 4, 0),      # 128 x 128 tiles: a 32-element row fragment
+    (64, True, (-1, -1), 4, 4, 0),       # hd64 causal (3 warpgroups from 4k queries: 192 rows)
+    (256, True, (-1, -1), 4, 4, 0),      # 64-key tiles: 16 elements
+    (192, True, (-1, -1), 4, 4, 0),      # 112-key tiles: 28 elements
+    (128, False, (300, 17), 4, 4, 0),    # both window bounds
+    (128, False, (-1, -1), 4, 4, 0),     # the key tail alone
+    (128, True, (-1, -1), 32, 8, 0),       # packed GQA rows (g = 4)
+    (128, False, (-1, -1), 4, 4, 2),       # two key ranges per query
+    (64, True, (-1, -1), 4, 4, 1),         # a key range and the causal bound
+])
+@pytest.mark.parametrize("bit_mask", [True, False])
+def test_element_mask_matches_brute_force_on_every_thread(d, causal, window, hq, hkv, nkr, bit_mask):
+    """The kernel's element mask (FlashFwdSm90.mask_predicate: a bit set per row, or a compare
+    per element), compiled for the host and run for every consumer thread's accumulator
+    fragment of a tile (the same wgmma partition as the kernel): exactly the scores of keys a
+    row does not see are -inf, over random shapes, query and key blocks (both sides of the
+    diagonal, past the key tail) and window bounds. This also pins the fragment's column pattern
+    (pairs of columns, one pair in every 8) that the bit sets assume. With key ranges the
+    rows' intervals come from the kernel's own load_key_ranges."""
+    import random
+    import types
+    from cutlass import Float32
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import warpgroup
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+    from dualattn.fast.common.mask import load_key_ranges
+    from dualattn.fast.sm90 import flash_fwd as ff
+
+    sq_max = 9000 if d == 64 else 3000   # hd64 causal takes 192-row tiles from 4k queries
+    base = AttentionSpec("batched", 1, sq_max, sq_max, hq, hkv, d, d, torch.bfloat16, "cuda",
+                         causal=causal, window=window, return_lse=True, num_key_ranges=nkr)
+    kern = FastSm90Forward().make_kernel(base)
+    kern.bit_mask = bit_mask
+    g, bm, bn = kern.pack_gqa, kern.tile_m, kern.tile_n
+
+    @cute.jit
+    def probe(out_ptr: cute.Pointer, kr_ptr: cute.Pointer, m_block: Int32, n_block: Int32,
+              rows: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32):
+        out = cute.make_tensor(out_ptr, cute.make_layout((bm, bn), stride=(bn, 1)))
+        mKR = cute.make_tensor(kr_ptr, cute.make_layout(max(2 * nkr, 1) * sq_max))
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            kern.dtype, kern.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(bm // 64, 1, 1), tiler_mn=(64, bn))
+        for tidx in cutlass.range(bm // 64 * 128, unroll=1):
+            thr = tiled_mma.get_slice(tidx)
+            tScS = thr.partition_C(cute.make_identity_tensor((bm, bn)))
+            tScS_mn = cute.make_tensor(tScS.iterator, ff._acc_mn_layout(tScS.layout))
+            acc = cute.make_rmem_tensor(thr.partition_shape_C((bm, bn)), Float32)
+            acc.fill(1.0)
+            acc_mn = cute.make_tensor(acc.iterator, ff._acc_mn_layout(acc.layout))
+            ctx = ff._Ctx(tScS_mn=tScS_mn, m_block=m_block, seqlen_q=rows, seqlen_k=seqlen_k,
+                          win_left=win_left, win_right=win_right, kr=None)
+            if cutlass.const_expr(nkr > 0):
+                ctx.kr = load_key_ranges(mKR, 0, 0, tScS_mn, m_block * bm, rows, nkr)[0]
+            kern.mask_predicate(ctx, acc_mn, n_block * bn)
+            for r in cutlass.range_constexpr(cute.size(acc_mn, mode=[0])):
+                for c in cutlass.range_constexpr(cute.size(acc_mn, mode=[1])):
+                    out[tScS_mn[r, c][0], tScS_mn[r, c][1]] = acc_mn[r, c]
+
+    ptr = lambda t=None, ty=cutlass.Float32: make_ptr(ty, 0 if t is None else t.data_ptr(), AddressSpace.gmem, 4)
+    # the wgmma atom exists only for sm_90a (the probe itself is host code)
+    fn = cute.compile(probe, ptr(), ptr(ty=cutlass.Int32), 0, 0, 0, 0, 0, 0, options="--gpu-arch sm_90a")
+    rng = random.Random(11)
+    for _ in range(12):
+        sq = rng.randint(1, sq_max)
+        sk = rng.choice([sq, rng.randint(1, 3 * sq + 200), sq + rng.choice([1, 63, 64, 65, 79, 113])])
+        spec = replace(base, seqlen_q=sq, seqlen_k=sk)
+        _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
+        m = rng.randrange(-(-(g * sq) // bm))
+        first_q, offs = (m * bm) // g, sk - sq
+        # key blocks around this tile's diagonal, and any block (a tail past seqlen_k included)
+        diag = max(first_q + offs, 0) // bn
+        # per query R intervals [lo, hi), empty or reversed ones among them
+        lo = torch.randint(-50, sk + 50, (sq_max, max(nkr, 1)), generator=torch.Generator().manual_seed(sq))
+        hi = lo + torch.randint(-20, 3 * bn, lo.shape, generator=torch.Generator().manual_seed(sk))
+        kr = torch.stack([lo, hi], -1).to(torch.int32).contiguous()
+        for n in {diag, diag + 1, max(diag - 1, 0), rng.randrange(-(-sk // bn) + 1)}:
+            out = torch.full((bm, bn), 7.0)
+            fn(ptr(out), ptr(kr, cutlass.Int32), m, n, g * sq, sk, wl, wr)
+            q = torch.div(torch.arange(bm)[:, None] + m * bm, g, rounding_mode="floor")
+            j = torch.arange(bn)[None, :] + n * bn
+            seen = (j < sk).expand(bm, bn).clone()
+            right = [b for b in ([0] if causal else []) + [window[1]] if b >= 0]
+            if right:
+                seen &= j <= q + offs + min(right)
+            if window[0] >= 0:
+                seen &= j >= q + offs - window[0]
+            if nkr:
+                qc = q.clamp(max=sq_max - 1)[:, 0]
+                seen &= ((j[:, :, None] >= kr[qc, None, :, 0]) & (j[:, :, None] < kr[qc, None, :, 1])).any(-1)
+                seen &= q < sq   # rows past the queries get no interval
+            want = torch.where(seen, 1.0, float("-inf"))
+            assert torch.equal(out, want), (sq, sk, m, n, (out != want).nonzero()[:5].tolist())

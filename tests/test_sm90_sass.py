@@ -116,3 +116,27 @@ def test_steady_loop_issues_one_block_and_its_exponentials_within_budget(d, caus
     assert budget["mufu"] == tile_n // 2 + 2, budget
     if d == 64:
         assert budget["issue_clk"] <= 0.9 * budget["tensor_clk"], budget
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("bit_mask", ["", "0"])
+def test_masked_loops_test_bits_not_keys_where_bit_masks_are_on(bit_mask, tmp_path, monkeypatch):
+    """With masks from a bit set per row (FastSm90Forward.bit_mask) a masked key-block loop of a
+    window config holds about as many integer compares as the unmasked one and moves the bits
+    into predicates with R2P; with a compare per element and bound (DUALATTN_SM90_BIT_MASK=0,
+    the planted contrast) it holds 128 more compares."""
+    import dualattn.fast.sm90 as sm90
+    monkeypatch.setattr(sm90, "_BIT_MASK_ENV", bit_mask)
+    spec = _spec(128, True, 16384, window=(1024, 0))
+    assert FastSm90Forward.bit_mask(spec) == (bit_mask == "")
+    _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
+    count = lambda lo, hi, op: sum(f" {op}" in ln for ln in sass[lo:hi + 1])
+    steady = count(*steady_loop(sass), "ISETP")
+    masked = [(lo, hi) for lo, hi in key_block_loops(sass) if count(lo, hi, "FSEL") > 8]
+    assert len(masked) == 2   # the blocks on the diagonal and those across the window's lower edge
+    for lo, hi in masked:
+        if bit_mask == "":
+            assert count(lo, hi, "ISETP") <= steady + 8 and count(lo, hi, "R2P") >= 4
+        else:
+            assert count(lo, hi, "ISETP") >= steady + 64 and count(lo, hi, "R2P") == 0

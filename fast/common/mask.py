@@ -6,7 +6,7 @@ exists) and ``j <= d + right`` (when a right bound exists; causal is right = min
 """
 import cutlass
 import cutlass.cute as cute
-from cutlass import Boolean, Float32, Int32
+from cutlass import Boolean, Float32, Int32, Uint32
 
 
 @cute.jit
@@ -17,6 +17,41 @@ def score_or_neg_inf(visible, score):
     fragment size (sm_90a hd128 causal: ~1100 extra instructions per masked key block;
     tests/test_sm90_sass.py keeps it out)."""
     return Float32(cutlass.select_(visible, score, -Float32.inf))
+
+
+# ---- row masks as bit sets (the wgmma / mma.sync accumulator's column pattern) -------------
+# A thread's accumulator row holds columns in pairs, one pair in every 8: element c of the row is
+# column base + 8 * (c // 2) + c % 2 (base = 2 * (lane % 4)). The visible keys of a row are one
+# interval, so "element c visible" is one bit of a 32-bit set built once per row: a few integer
+# operations per row, then one bit test and one select per element, where comparing each
+# element's column with both bounds costs two compares and two selects (sm_90a hd128 window:
+# 128 ISETP + 128 FSEL per masked key block).
+FRAG_PAIR = 2      # consecutive columns per pair
+FRAG_PAIR_STRIDE = 8   # columns from one pair to the next
+
+
+@cute.jit
+def frag_cols_below(limit: Int32):
+    """How many of a row's fragment elements lie at columns < ``limit``, ``limit`` measured from
+    the thread's first column (any sign; the count is not capped at the row's length)."""
+    u = cutlass.max(limit, 0)
+    return (u // FRAG_PAIR_STRIDE) * FRAG_PAIR + cutlass.min(u % FRAG_PAIR_STRIDE, FRAG_PAIR)
+
+
+@cute.jit
+def low_bits(n: Int32):
+    """The 32-bit set of bits 0 .. n - 1 (all 32 for n >= 32, none for n <= 0). Two shifts of at
+    most 16 each: a single shift by 32 is undefined in LLVM."""
+    m = Uint32(cutlass.min(cutlass.max(n, 0), 32))
+    half = m >> 1
+    return ((Uint32(1) << half) << (m - half)) - Uint32(1)
+
+
+@cute.jit
+def mask_row_by_bits(acc_S_mn: cute.Tensor, r: cutlass.Constexpr, keep):
+    """Row ``r``'s element c becomes -inf unless bit c of ``keep`` is set."""
+    for c in cutlass.range_constexpr(cute.size(acc_S_mn.shape[1])):
+        acc_S_mn[r, c] = score_or_neg_inf(Boolean((keep >> c) & Uint32(1)), acc_S_mn[r, c])
 
 
 @cute.jit

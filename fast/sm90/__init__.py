@@ -56,6 +56,7 @@ _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm
 _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
+_BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forward.bit_mask
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -375,7 +376,7 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
-                self.split_tail(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.split_tail(spec), self.bit_mask(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -517,6 +518,25 @@ class FastSm90Forward:
         kernels per config, never a kernel per shape.
         DUALATTN_SM90_STREAM_K=0 turns it off (comparisons)."""
         return cls._stream_k_order(spec) and cls.stream_k_units(spec)[1] > 0
+
+    @classmethod
+    def bit_mask(cls, spec) -> bool:
+        """Element masks (causal, windows, key ranges, the key tail) from one 32-bit set per
+        accumulator row (FlashFwdSm90.mask_by_row_bits; ptxas moves 7 bits at a time into
+        predicates with R2P) instead of comparing every element's key with the row's bounds.
+        sm_90a, per masked key block: hd128 window 1024 777 / 807 -> 611 / 642 instructions
+        (128 ISETP + 128 FSEL -> 64 FSEL, 8 R2P and per-row integer work); key ranges with a
+        CSR 4360 -> 3808 SASS instructions in all. H100, bf16, CUDA-graph replays interleaved,
+        three runs (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py bit_mask), time with / without:
+        window 1024 0.974-0.977 (its CSR form too), 10 documents as key ranges + CSR 0.930 (with
+        the key ranges in the bit set), causal hd64 1k / 2k 0.977-0.978 / 0.983-0.984, hd128
+        causal 1k 0.979-0.994, the other causal cells 0.99-1.01. Not in 3-warpgroup tiles
+        (hd64 without masks or causal from 4k queries): at 160 registers per consumer thread
+        ptxas spills 16 bytes in the epilogue instead of 4, and causal hd64 4k measured level
+        (0.993-1.001). DUALATTN_SM90_BIT_MASK=0 turns it off, =1 on everywhere (comparisons)."""
+        if _BIT_MASK_ENV in ("0", "1"):
+            return _BIT_MASK_ENV == "1"
+        return cls.config(spec)[0] <= 128
 
     @classmethod
     def split_tail(cls, spec) -> bool:
@@ -675,7 +695,8 @@ class FastSm90Forward:
                             rescale_threshold=self.rescale_threshold(spec),
                             rescale_before_pv=self.rescale_before_pv(spec),
                             reduce_chains=self.reduce_chains(spec),
-                            wg_key_bound=self.wg_key_bound(spec), split_tail=self.split_tail(spec))
+                            wg_key_bound=self.wg_key_bound(spec), split_tail=self.split_tail(spec),
+                            bit_mask=self.bit_mask(spec))
 
     @staticmethod
     def arg_schema(spec):

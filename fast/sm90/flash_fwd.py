@@ -56,8 +56,11 @@ from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_
 from dualattn.fast.common.mask import (
     apply_key_ranges,
     block_inside_ranges,
+    frag_cols_below,
     key_range_span_warp,
     load_key_ranges,
+    low_bits,
+    mask_row_by_bits,
     score_or_neg_inf,
 )
 from dualattn.fast.common.sm90_pipeline import (
@@ -167,8 +170,11 @@ class FlashFwdSm90:
                  num_mma_wg: int = 2, pack_gqa: int = 1, q_stages: int = 1, paired: bool = False,
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
                  varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
-                 reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False):
+                 reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False,
+                 bit_mask: bool = False):
         self.dtype = dtype
+        # element masks from a bit set per row (mask_by_row_bits) instead of compares per element
+        self.bit_mask = bit_mask
         # independent partial results per row in the softmax's max and sum (online_softmax)
         assert reduce_chains in (1, 2, 4, 8)
         self.reduce_chains = reduce_chains
@@ -1504,6 +1510,41 @@ class FlashFwdSm90:
 
     @cute.jit
     def mask_predicate(self, ctx, acc_S_mn, col0):
+        if const_expr(self.bit_mask):
+            self.mask_by_row_bits(ctx, acc_S_mn, col0)
+        else:
+            self.mask_by_compares(ctx, acc_S_mn, col0)
+            if const_expr(self.num_key_ranges > 0):
+                apply_key_ranges(acc_S_mn, ctx.tScS_mn, col0, ctx.kr, self.num_key_ranges)
+
+    @cute.jit
+    def mask_by_row_bits(self, ctx, acc_S_mn, col0):
+        """A row's visible keys are an interval [lo, limit), and with key ranges its union of
+        the row's R intervals intersected with it: the fragment elements inside as a bit set
+        (fast/common/mask.py), then one bit test and select per element."""
+        BM = self.tile_m
+        assert cute.size(acc_S_mn, mode=[1]) <= 32, "a row's fragment must fit one 32-bit set"
+        base = ctx.tScS_mn[0, 0][1] + col0   # key of this thread's first column
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            row = self.q_pos(ctx.m_block * BM + ctx.tScS_mn[r, 0][0])
+            limit = ctx.seqlen_k
+            if const_expr(self.mask_right):
+                limit = cutlass.min(limit, row + 1 + ctx.seqlen_k - self.q_count(ctx.seqlen_q) + ctx.win_right)
+            keep = low_bits(frag_cols_below(limit - base))
+            if const_expr(self.mask_left):
+                lo = row + ctx.seqlen_k - self.q_count(ctx.seqlen_q) - ctx.win_left
+                keep = keep & ~low_bits(frag_cols_below(lo - base))
+            if const_expr(self.num_key_ranges > 0):
+                # row r's intervals [lo, hi) (load_key_ranges: the fragment's rows, in order)
+                inside = Uint32(0)
+                for q in cutlass.range_constexpr(self.num_key_ranges):
+                    inside = inside | (low_bits(frag_cols_below(ctx.kr[r, q, 1] - base))
+                                       & ~low_bits(frag_cols_below(ctx.kr[r, q, 0] - base)))
+                keep = keep & inside
+            mask_row_by_bits(acc_S_mn, r, keep)
+
+    @cute.jit
+    def mask_by_compares(self, ctx, acc_S_mn, col0):
         BM = self.tile_m
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             row = self.q_pos(ctx.m_block * BM + ctx.tScS_mn[r, 0][0])
@@ -1519,8 +1560,6 @@ class FlashFwdSm90:
                 if const_expr(self.mask_left):
                     visible = visible & (col >= lo)
                 acc_S_mn[r, c] = score_or_neg_inf(visible, acc_S_mn[r, c])
-        if const_expr(self.num_key_ranges > 0):
-            apply_key_ranges(acc_S_mn, ctx.tScS_mn, col0, ctx.kr, self.num_key_ranges)
 
     @cute.jit
     def maybe_mask(self, ctx, acc_S_mn, n_block, masked, csr_mask_entry=True):
