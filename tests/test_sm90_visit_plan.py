@@ -261,7 +261,6 @@ def test_kernel_sources_do_not_read_a_name_the_dsl_generates():
 # ---- the kernel's own code, compiled for the host and run on the CPU ----------------------
 
 _PROBES = {}
-_RT, _CT = 8, 16  # coordinates handed to maybe_mask per call (a thread's fragment, enlarged)
 
 
 def _probe(spec):
@@ -273,7 +272,9 @@ def _probe(spec):
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
     from dualattn.fast.sm90 import FastSm90Forward
-    from dualattn.fast.sm90.flash_fwd import _Ctx
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import warpgroup
+    from dualattn.fast.sm90.flash_fwd import _Ctx, _acc_mn_layout
 
     impl = FastSm90Forward()
     key = impl.compile_key(spec, 90)
@@ -283,20 +284,28 @@ def _probe(spec):
     BM, BN = kern.tile_m, kern.tile_n
 
     @cute.jit
-    def cell(out, cS, ri, ci, m_block, seqlen_q, seqlen_k, win_left, win_right, n_block, need,
+    def cell(out, tidx, m_block, seqlen_q, seqlen_k, win_left, win_right, n_block, need,
              is_mask, out_cols):
+        # one consumer thread's accumulator fragment, partitioned as the kernel's Q K^T wgmma
+        # does (the element masks rely on its column pattern: FlashFwdSm90.mask_by_row_bits)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            kern.dtype, kern.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN))
+        thr = tiled_mma.get_slice(tidx)
+        tScS = thr.partition_C(cute.make_identity_tensor((BM, BN)))
+        tScS_mn = cute.make_tensor(tScS.iterator, _acc_mn_layout(tScS.layout))
         ctx = _Ctx(m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, win_left=win_left,
-                   win_right=win_right, kr=None, inter=None,
-                   tScS_mn=cute.local_tile(cS, (_RT, _CT), (ri, ci)))
-        acc = cute.make_rmem_tensor((_RT, _CT), Float32)
-        acc.fill(0.0)
+                   win_right=win_right, kr=None, inter=None, tScS_mn=tScS_mn)
+        acc_frag = cute.make_rmem_tensor(thr.partition_shape_C((BM, BN)), Float32)
+        acc_frag.fill(0.0)
+        acc = cute.make_tensor(acc_frag.iterator, _acc_mn_layout(acc_frag.layout))
         kern.maybe_mask(ctx, acc, n_block, need, is_mask)
-        for r in cutlass.range_constexpr(_RT):
-            for c in cutlass.range_constexpr(_CT):
-                col = n_block * BN + ci * _CT + c
+        for r in cutlass.range_constexpr(cute.size(acc, mode=[0])):
+            for c in cutlass.range_constexpr(cute.size(acc, mode=[1])):
+                row, col = tScS_mn[r, c][0], n_block * BN + tScS_mn[r, c][1]
                 if acc[r, c] == Float32(0.0):
                     if col < out_cols:
-                        out[ri * _RT + r, col] = out[ri * _RT + r, col] + 1
+                        out[row, col] = out[row, col] + 1
 
     @cute.jit
     def probe(frp: cute.Pointer, fcol: cute.Pointer, mrp: cute.Pointer, mcol: cute.Pointer,
@@ -311,14 +320,12 @@ def _probe(spec):
         n_iters, visit, _ = kern.visit_plan(m_block, head, batch, Int32(0), Int32(0), seqlen_q,
                                             Int32(0), None, bs)
         out = cute.make_tensor(out_ptr, cute.make_layout((BM, out_cols), stride=(out_cols, 1)))
-        cS = cute.make_identity_tensor((BM, BN))
         ctx0 = _Ctx(m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
 
         def one_visit(n_block, masked, mask_entry):
-            for ri in cutlass.range(BM // _RT, unroll=1):
-                for ci in cutlass.range(BN // _CT, unroll=1):
-                    cell(out, cS, ri, ci, m_block, seqlen_q, seqlen_k, win_left, win_right,
-                         n_block, masked, mask_entry, out_cols)
+            for tidx in cutlass.range(BM // 64 * 128, unroll=1):
+                cell(out, tidx, m_block, seqlen_q, seqlen_k, win_left, win_right, n_block,
+                     masked, mask_entry, out_cols)
 
         class Steps:  # the kernel's csr_visits drives these instead of its GEMM steps
             split_first = kern.overlap
@@ -335,7 +342,8 @@ def _probe(spec):
             kern.csr_visits(visit, n_mask, n_clear, n_tail, Int32(0), Steps())
 
     ptr = make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4)
-    fn = cute.compile(probe, ptr, ptr, ptr, ptr, ptr, *([0] * 18))
+    # the wgmma atom exists only for sm_90a (the probe itself is host code)
+    fn = cute.compile(probe, ptr, ptr, ptr, ptr, ptr, *([0] * 18), options="--gpu-arch sm_90a")
     _PROBES[key] = (fn, make_ptr, AddressSpace)
     return _PROBES[key]
 
