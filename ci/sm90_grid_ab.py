@@ -25,6 +25,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                                 # heaviest first across all, on packed documents
     python ci/sm90_grid_ab.py bit_mask     # element masks from a bit set per row against a
                                            # compare per element, on the mask and causal cells
+    python ci/sm90_grid_ab.py bit_mask force   # forced on (3-warpgroup tiles too) against the
+                                               # default, on causal hd64 from 4k
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
@@ -87,6 +89,8 @@ def main(knob: str, tiles: str = ""):
         label = "rescale before P V"
     elif knob == "wg_key_bound" and tiles == "pingpong":
         value, label = "1", "own key bound"
+    elif knob == "bit_mask" and tiles == "force":
+        value, label = "1", "bit masks forced"
     elif value is None:
         value, label = tiles or "0", f"{label} {tiles or '0'}"
     set_knob = {"tiles": _set_tiles, "rescale_before_pv": _set_rescale_before_pv}.get(knob, setattr)
@@ -130,6 +134,9 @@ def main(knob: str, tiles: str = ""):
     elif knob == "split_tail":  # causal cells of short pairs, and odd query block counts
         cells = B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[512, 1024, 2048])
         cells += odd_block_cells()
+    elif knob == "bit_mask" and tiles == "force":  # 3-warpgroup tiles: causal hd64 from 4k
+        cells = B.filter_cells(fwd, groups=["dense"], head_dims=[64], causal=True,
+                               seqlens=[4096, 8192, 16384])
     elif knob == "bit_mask":  # the mask cells, and the causal dense / GQA cells to 4k
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[1024, 2048, 4096])
     elif knob == "reduce_chains":  # dense and GQA cells (DUALATTN_AB_CELLS picks)
