@@ -911,6 +911,7 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     (128, True, (-1, -1), 4, 4, 0),      # 128 x 128 tiles: a 32-element row fragment
     (64, True, (-1, -1), 4, 4, 0),       # hd64 causal (3 warpgroups from 4k queries: 192 rows)
     (256, True, (-1, -1), 4, 4, 0),      # 64-key tiles: 16 elements
+    (256, True, (-1, -1), 2, 2, 0),      # (2 heads: 9000 queries) 80-key tiles: 20 elements
     (192, True, (-1, -1), 4, 4, 0),      # 112-key tiles: 28 elements
     (128, False, (300, 17), 4, 4, 0),    # both window bounds
     (128, False, (-1, -1), 4, 4, 0),     # the key tail alone
@@ -937,12 +938,15 @@ def test_element_mask_matches_brute_force_on_every_thread(d, causal, window, hq,
     from dualattn.fast.common.mask import load_key_ranges
     from dualattn.fast.sm90 import flash_fwd as ff
 
-    sq_max = 9000 if d == 64 else 3000   # hd64 causal takes 192-row tiles from 4k queries
+    # hd64 causal takes 192-row tiles from 4k queries, causal hd256 80-key tiles from 8k
+    sq_max = 9000 if d == 64 or hq == 2 else 3000
     base = AttentionSpec("batched", 1, sq_max, sq_max, hq, hkv, d, d, torch.bfloat16, "cuda",
                          causal=causal, window=window, return_lse=True, num_key_ranges=nkr)
     kern = FastSm90Forward().make_kernel(base)
     kern.bit_mask = bit_mask
     g, bm, bn = kern.pack_gqa, kern.tile_m, kern.tile_n
+    if hq == 2:
+        assert bn == 80   # the case exists for this tile
 
     @cute.jit
     def probe(out_ptr: cute.Pointer, kr_ptr: cute.Pointer, m_block: Int32, n_block: Int32,
