@@ -92,9 +92,10 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True,
-                   "sm_90a")
-    # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18)
+                   False, False, False, False, True, True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1,
+                   True, "sm_90a")
+    # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
+    # coordinates from the producer: FastSm90Forward.tile_info, index 19)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -342,8 +343,12 @@ def test_varlen_paired_order_compiles(d):
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
-    assert ptx.count("shfl.sync.up") == 4 * 5  # 5-step inclusive scan: 2 tile loops + 2 slot bounds
-    assert ptx.count("vote.sync.ballot") == 4
+    # a 5-step inclusive scan in each tile loop and slot bound: the producer's loop and bound
+    # and the consumers' bound, and the consumers' loop too unless the producer hands them each
+    # tile's coordinates (FastSm90Forward.tile_info)
+    scans = 3 if FastSm90Forward.tile_info(spec) else 4
+    assert ptx.count("shfl.sync.up") == scans * 5
+    assert ptx.count("vote.sync.ballot") == scans
     assert _loops_with(ptx, "wgmma.mma_async") >= 2
 
 
