@@ -1011,3 +1011,22 @@ def test_element_mask_matches_brute_force_on_every_thread(d, causal, window, hq,
                 seen &= q < sq   # rows past the queries get no interval
             want = torch.where(seen, 1.0, float("-inf"))
             assert torch.equal(out, want), (sq, sk, m, n, (out != want).nonzero()[:5].tolist())
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False)])
+def test_tile_info_leaves_the_decode_to_the_producer(d, causal, monkeypatch):
+    """With FastSm90Forward.tile_info the producer warp decodes each tile's coordinates and the
+    consumers read them from shared memory: the kernel's integer divisions by run-time values
+    (PTX div / rem, each a dozen-plus SASS instructions) are then only the producer's and the
+    slot bounds', at most 2/3 of those with every consumer thread decoding too."""
+    import dualattn.fast.sm90 as sm90
+    counts = {}
+    for flag in ("0", "1"):
+        monkeypatch.setattr(sm90, "_TILE_INFO_ENV", flag)
+        spec = _spec(d, causal, sq=4096, sk=4096)
+        assert FastSm90Forward.tile_info(spec) == (flag == "1")
+        ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+        counts[flag] = len(re.findall(r"^\s*(?:div|rem)\.[su]32", ptx, flags=re.M))
+    assert counts["1"] <= 2 * counts["0"] // 3, counts
