@@ -343,10 +343,10 @@ def test_varlen_paired_order_compiles(d):
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
-    # a 5-step inclusive scan in each tile loop and slot bound: the producer's loop and bound
-    # and the consumers' bound, and the consumers' loop too unless the producer hands them each
-    # tile's coordinates (FastSm90Forward.tile_info)
-    scans = 3 if FastSm90Forward.tile_info(spec) else 4
+    # a 5-step inclusive scan in each tile loop and slot bound: the producer's loop and bound,
+    # and the consumers' too unless the producer hands them each tile's coordinates
+    # (FastSm90Forward.tile_info)
+    scans = 2 if FastSm90Forward.tile_info(spec) else 4
     assert ptx.count("shfl.sync.up") == scans * 5
     assert ptx.count("vote.sync.ballot") == scans
     assert _loops_with(ptx, "wgmma.mma_async") >= 2

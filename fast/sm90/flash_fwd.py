@@ -1033,8 +1033,11 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_INFO_STAGES)
-        tile, step = self.first_tile_and_step()
-        total = self.num_slots(mQ, vl, sk)
+        tile, step, total = Int32(0), Int32(0), Int32(0)
+        if const_expr(not self.tile_info):
+            # (the bound can cost a warp scan of cu_seqlens: varlen paired order)
+            tile, step = self.first_tile_and_step()
+            total = self.num_slots(mQ, vl, sk)
         # the loop runs over the slots of the tile order (item_coords decodes each), or with
         # tile_info over the producer's active tiles until its m_block < 0
         (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
