@@ -27,6 +27,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                            # compare per element, on the mask and causal cells
     python ci/sm90_grid_ab.py bit_mask force   # forced on (3-warpgroup tiles too) against the
                                                # default, on causal hd64 from 4k
+    python ci/sm90_grid_ab.py tile_info    # tile coordinates from the producer against each
+                                           # consumer decoding them (branch wip/tile-info-smem)
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
@@ -59,6 +61,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "stream_k": ("_STREAM_K_ENV", "0", "no cuts"),
          "split_tail": ("_SPLIT_TAIL_ENV", "0", "whole pairs"),
          "bit_mask": ("_BIT_MASK_ENV", "0", "compare masks"),
+         "tile_info": ("_TILE_INFO_ENV", "0", "consumers decode"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 
@@ -139,6 +142,8 @@ def main(knob: str, tiles: str = ""):
                                seqlens=[4096, 8192, 16384])
     elif knob == "bit_mask":  # the mask cells, and the causal dense / GQA cells to 4k
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[1024, 2048, 4096])
+    elif knob == "tile_info":  # the mask cells, and the dense / GQA cells to 4k (short tiles)
+        cells += B.filter_cells(fwd, groups=["dense", "gqa"], seqlens=[1024, 2048, 4096])
     elif knob == "reduce_chains":  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale

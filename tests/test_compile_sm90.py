@@ -92,9 +92,10 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True,
-                   "sm_90a")
-    # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18)
+                   False, False, False, False, True, True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1,
+                   True, "sm_90a")
+    # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
+    # coordinates from the producer: FastSm90Forward.tile_info, index 19)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -342,8 +343,12 @@ def test_varlen_paired_order_compiles(d):
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
-    assert ptx.count("shfl.sync.up") == 4 * 5  # 5-step inclusive scan: 2 tile loops + 2 slot bounds
-    assert ptx.count("vote.sync.ballot") == 4
+    # a 5-step inclusive scan in each tile loop and slot bound: the producer's loop and bound,
+    # and the consumers' too unless the producer hands them each tile's coordinates
+    # (FastSm90Forward.tile_info)
+    scans = 2 if FastSm90Forward.tile_info(spec) else 4
+    assert ptx.count("shfl.sync.up") == scans * 5
+    assert ptx.count("vote.sync.ballot") == scans
     assert _loops_with(ptx, "wgmma.mma_async") >= 2
 
 
@@ -1006,3 +1011,22 @@ def test_element_mask_matches_brute_force_on_every_thread(d, causal, window, hq,
                 seen &= q < sq   # rows past the queries get no interval
             want = torch.where(seen, 1.0, float("-inf"))
             assert torch.equal(out, want), (sq, sk, m, n, (out != want).nonzero()[:5].tolist())
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d, causal", [(64, True), (128, False)])
+def test_tile_info_leaves_the_decode_to_the_producer(d, causal, monkeypatch):
+    """With FastSm90Forward.tile_info the producer warp decodes each tile's coordinates and the
+    consumers read them from shared memory: the kernel's integer divisions by run-time values
+    (PTX div / rem, each a dozen-plus SASS instructions) are then only the producer's and the
+    slot bounds', at most 2/3 of those with every consumer thread decoding too."""
+    import dualattn.fast.sm90 as sm90
+    counts = {}
+    for flag in ("0", "1"):
+        monkeypatch.setattr(sm90, "_TILE_INFO_ENV", flag)
+        spec = _spec(d, causal, sq=4096, sk=4096)
+        assert FastSm90Forward.tile_info(spec) == (flag == "1")
+        ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+        counts[flag] = len(re.findall(r"^\s*(?:div|rem)\.[su]32", ptx, flags=re.M))
+    assert counts["1"] <= 2 * counts["0"] // 3, counts

@@ -57,6 +57,7 @@ _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see Fast
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
 _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forward.bit_mask
+_TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -376,7 +377,7 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
-                self.split_tail(spec), self.bit_mask(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -518,6 +519,15 @@ class FastSm90Forward:
         kernels per config, never a kernel per shape.
         DUALATTN_SM90_STREAM_K=0 turns it off (comparisons)."""
         return cls._stream_k_order(spec) and cls.stream_k_units(spec)[1] > 0
+
+    @staticmethod
+    def tile_info(spec) -> bool:
+        """The producer warp decodes each tile's coordinates and passes them to the consumer
+        warpgroups through shared memory (FlashFwdSm90.put_tile_info / get_tile_info), instead
+        of every consumer thread decoding them at the start of its tile. Work in progress
+        (branch wip/tile-info-smem): on by default here for the GPU tests;
+        DUALATTN_SM90_TILE_INFO=0 turns it off."""
+        return _TILE_INFO_ENV != "0"
 
     @classmethod
     def bit_mask(cls, spec) -> bool:
@@ -696,7 +706,7 @@ class FastSm90Forward:
                             rescale_before_pv=self.rescale_before_pv(spec),
                             reduce_chains=self.reduce_chains(spec),
                             wg_key_bound=self.wg_key_bound(spec), split_tail=self.split_tail(spec),
-                            bit_mask=self.bit_mask(spec))
+                            bit_mask=self.bit_mask(spec), tile_info=self.tile_info(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -75,6 +75,11 @@ LN_2 = math.log(2.0)
 _BAR_EPILOGUE = 1     # the consumer threads, around the O staging in shared memory
 _BAR_WG_SCHED = 2     # 2, 3 (, 4): round-robin order of the consumer warpgroups' GEMM issue
 _BAR_EPILOGUE_WG = 5  # 5, 6 (, 7): one warpgroup's threads around its own O rows (wg_epilogue)
+# tile_info: the producer decodes each tile's coordinates once and hands them to the consumers
+# through shared memory (the fields of item_coords the consumers read; m_block < 0 ends the loop)
+TILE_INFO_FIELDS = ("m_block", "head", "head_kv", "batch", "n_block_min", "n_block_max",
+                    "seqlen_q", "seqlen_k", "offset_q", "cut", "sk_slot")
+TILE_INFO_STAGES = 2
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -171,8 +176,13 @@ class FlashFwdSm90:
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
                  varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
                  reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False,
-                 bit_mask: bool = False):
+                 bit_mask: bool = False, tile_info: bool = False):
         self.dtype = dtype
+        # the producer warp decodes every tile's coordinates (item_coords: a few integer
+        # divisions by run-time values, ~300 SASS instructions per tile at causal hd64 with the
+        # paired order) and passes them to the consumers through shared memory, off their path
+        # from one tile's epilogue to the next tile's first Q K^T
+        self.tile_info = tile_info
         # element masks from a bit set per row (mask_by_row_bits) instead of compares per element
         self.bit_mask = bit_mask
         # independent partial results per row in the softmax's max and sum (online_softmax)
@@ -277,7 +287,7 @@ class FlashFwdSm90:
                 "K": num_stages * tile_n * head_dim * dtype.width // 8,
                 "V": num_stages * tile_n * head_dim_v * dtype.width // 8,
             },
-            num_mbarriers=2 * (q_stages + 2 * num_stages),
+            num_mbarriers=2 * (q_stages + 2 * num_stages) + (2 * TILE_INFO_STAGES if tile_info else 0),
             arch=self.arch,
         )
         assert self.num_mma_regs * self.num_mma_wg * 128 + self.num_producer_regs * 128 <= 65536
@@ -359,6 +369,9 @@ class FlashFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sk_flag: cute.struct.MemRange[Int32, 4 if self.stream_k else 0]  # stream_k_merge
+            mbar_info: cute.struct.MemRange[cutlass.Int64, 2 * TILE_INFO_STAGES if self.tile_info else 0]
+            tile_info: cute.struct.MemRange[Int32, TILE_INFO_STAGES * len(TILE_INFO_FIELDS)
+                                            if self.tile_info else 0]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_qo], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_o], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
@@ -532,6 +545,17 @@ class FlashFwdSm90:
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages,
             producer_group=producer_group, consumer_group=consumer_group,
             tx_count=self.tx_bytes_v, defer_sync=True)
+        pipe_info = None
+        s_info = None
+        if const_expr(self.tile_info):
+            # written by the producer warp (its 32 lanes arrive), read by every consumer thread
+            pipe_info = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_info.data_ptr(), num_stages=TILE_INFO_STAGES,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_wg),
+                defer_sync=True)
+            s_info = storage.tile_info.get_tensor(
+                cute.make_layout((len(TILE_INFO_FIELDS), TILE_INFO_STAGES)))
         # barrier init must be visible to every thread (and to the async proxy) before use
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -552,12 +576,14 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                             pipe_q, pipe_k, pipe_v, win_left, win_right, vl, kr, bs, sk)
+                             pipe_q, pipe_k, pipe_v, win_left, win_right, vl, kr, bs, sk,
+                             pipe_info, s_info)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                          tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128, win_left,
-                         win_right, softcap_scale, softcap_val, vl, kr, bs, sk, sk_flag)
+                         win_right, softcap_scale, softcap_val, vl, kr, bs, sk, sk_flag,
+                         pipe_info, s_info)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -866,17 +892,24 @@ class FlashFwdSm90:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
-                pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None, sk=None):
+                pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None, sk=None,
+                pipe_info=None, s_info=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
+        info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_INFO_STAGES)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile, step = self.first_tile_and_step()
         total = self.num_slots(mQ, vl, sk)
         while tile < total:
-            (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, _,
-             offset_q, offset_k, active, _, _) = self.item_coords(tile, mQ, mK, win_left, win_right,
-                                                                  vl, sk)
+            (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
+             offset_q, offset_k, active, cut, sk_slot) = self.item_coords(tile, mQ, mK, win_left,
+                                                                          win_right, vl, sk)
             if active:
+                if const_expr(self.tile_info):
+                    self.put_tile_info(pipe_info, s_info, info_state,
+                                       (m_block, head_idx, head_kv, batch_idx, n_block_min,
+                                        n_block_max, seqlen_q, seqlen_k, offset_q, Int32(cut), sk_slot))
+                    info_state.advance()
                 if const_expr(self.varlen):
                     # packed tensors: the sequence starts at row offset_*; loads that run past its
                     # end read the next sequence's rows (keys masked, rows never stored) or zeros
@@ -920,12 +953,35 @@ class FlashFwdSm90:
                               tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
                     kv_state.advance()
             tile += step
+        if const_expr(self.tile_info):
+            # the end of the consumers' loop
+            self.put_tile_info(pipe_info, s_info, info_state, (Int32(-1),) + (Int32(0),) * (len(TILE_INFO_FIELDS) - 1))
+
+    @cute.jit
+    def put_tile_info(self, pipe_info, s_info, info_state, fields):
+        """The producer warp publishes one tile's coordinates: lane 0 writes them, then every
+        lane arrives (release) on the stage's full barrier."""
+        pipe_info.producer_acquire(info_state)
+        if cute.arch.lane_idx() == 0:
+            for f in cutlass.range_constexpr(len(TILE_INFO_FIELDS)):
+                s_info[f, info_state.index] = fields[f]
+        pipe_info.producer_commit(info_state)
+
+    @cute.jit
+    def get_tile_info(self, pipe_info, s_info, info_state):
+        """A consumer thread reads one tile's coordinates (acquire), then frees the stage."""
+        pipe_info.consumer_wait(info_state)
+        fields = [s_info[f, info_state.index] for f in range(len(TILE_INFO_FIELDS))]
+        pipe_info.consumer_release(info_state)
+        info_state.advance()
+        return (*fields, info_state)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def consume(self, tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                 tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx, win_left, win_right,
-                softcap_scale, softcap_val, vl=None, kr=None, bs=None, sk=None, sk_flag=None):
+                softcap_scale, softcap_val, vl=None, kr=None, bs=None, sk=None, sk_flag=None,
+                pipe_info=None, s_info=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_slice_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -976,12 +1032,28 @@ class FlashFwdSm90:
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        tile, step = self.first_tile_and_step()
-        total = self.num_slots(mQ, vl, sk)
-        while tile < total:
+        info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_INFO_STAGES)
+        tile, step, total = Int32(0), Int32(0), Int32(0)
+        if const_expr(not self.tile_info):
+            # (the bound can cost a warp scan of cu_seqlens: varlen paired order)
+            tile, step = self.first_tile_and_step()
+            total = self.num_slots(mQ, vl, sk)
+        # the loop runs over the slots of the tile order (item_coords decodes each), or with
+        # tile_info over the producer's active tiles until its m_block < 0
+        (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
+         offset_q, cut_i, sk_slot) = (Int32(0),) * len(TILE_INFO_FIELDS)
+        active = Boolean(True)
+        more = tile < total
+        if const_expr(self.tile_info):
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
-             offset_q, _, active, cut, sk_slot) = self.item_coords(
-                 tile, mQ, mK, win_left, win_right, vl, sk)
+             offset_q, cut_i, sk_slot, info_state) = self.get_tile_info(pipe_info, s_info, info_state)
+            more = m_block >= 0
+        while more:
+            cut = cut_i != 0
+            if const_expr(not self.tile_info):
+                (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
+                 offset_q, _, active, cut, sk_slot) = self.item_coords(
+                     tile, mQ, mK, win_left, win_right, vl, sk)
             if active:
                 n_blocks = cutlass.max(n_block_max - n_block_min, 0)
                 acc_O.fill(0.0)
@@ -1134,7 +1206,13 @@ class FlashFwdSm90:
                     cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
                     pipe_q.consumer_release(q_state)
                     q_state.advance()
-            tile += step
+            if const_expr(self.tile_info):
+                (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
+                 offset_q, cut_i, sk_slot, info_state) = self.get_tile_info(pipe_info, s_info, info_state)
+                more = m_block >= 0
+            else:
+                tile += step
+                more = tile < total
         # shared memory must outlive the last store's reads (each issuing warp waits for its own)
         if tidx % epi_threads < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
