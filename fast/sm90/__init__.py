@@ -524,9 +524,10 @@ class FastSm90Forward:
     def tile_info(spec) -> bool:
         """The producer warp decodes each tile's coordinates and passes them to the consumer
         warpgroups through shared memory (FlashFwdSm90.put_tile_info / get_tile_info), instead
-        of every consumer thread decoding them at the start of its tile. Work in progress
-        (branch wip/tile-info-smem): on by default here for the GPU tests;
-        DUALATTN_SM90_TILE_INFO=0 turns it off."""
+        of every consumer thread decoding them at the start of its tile: 200-280 fewer consumer
+        instructions between a tile's start and its first Q K^T. H100, graph A/B: causal hd64
+        1k-4k +2.9-4.8 %, hd128 causal +1.2-1.7 %, GQA causal 2k +2.9 %, hd256 and the masks
+        level (docs section 27). DUALATTN_SM90_TILE_INFO=0 turns it off (comparisons)."""
         return _TILE_INFO_ENV != "0"
 
     @classmethod
