@@ -257,3 +257,50 @@ def test_wide_rows_only_where_a_sequence_passes_2_31_elements():
     L = Launch(S.build_dense(q, k, k, return_lse=True), "dkdv")
     big_do = torch.empty(1, 16, 1 << 20, 256, device="meta", dtype=torch.float16).transpose(1, 2)
     assert not L.wide_rows() and L.wide_rows(q_like=(big_do,))
+
+
+def test_interpreter_range_fix_squeezes_one_element_scalars(monkeypatch):
+    """Triton 3.6's interpreter turns a tensor loop bound into an int with ``int(data)``, where
+    ``data`` is a (1,) numpy array; NumPy >= 2.4 refuses that (triton-lang/triton#9171), so every
+    ``for blk in range(lo, hi)`` of the reference kernels failed under TRITON_INTERPRET=1 there
+    (seen on the H100 machine: triton 3.6.0, numpy 2.5.2). reference/triton/common's shim wraps
+    the interpreter's tensor patch with newer Triton's ``int(data.squeeze())`` where the
+    installed one fails, and leaves a working one alone."""
+    import types
+
+    import numpy as np
+    interpreter = pytest.importorskip("triton.runtime.interpreter")
+    from dualattn.reference.triton import common
+
+    one = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([7], np.int32)))
+
+    def triton36_patch(tensor, scope):
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data))
+
+    def squeezing_index(self):
+        return int(self.handle.data.squeeze())
+
+    def triton39_patch(tensor, scope):
+        scope.set_attr(tensor, "__index__", squeezing_index)
+
+    if np.lib.NumpyVersion(np.__version__) >= "2.4.0":  # the case the shim exists for
+        class Unfixed:
+            pass
+
+        triton36_patch(Unfixed, interpreter._LangPatchScope())
+        with pytest.raises(TypeError, match="0-dimensional"):
+            Unfixed.__index__(one)
+    for patch, keeps in ((triton36_patch, False), (triton39_patch, True)):
+        monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
+        common._interpreter_range_fix()
+        assert interpreter._patch_lang_tensor is not patch
+
+        class Tensor:
+            pass
+
+        scope = interpreter._LangPatchScope()
+        interpreter._patch_lang_tensor(Tensor, scope)
+        assert Tensor.__index__(one) == 7
+        assert (Tensor.__index__ is squeezing_index) == keeps
+        scope.restore()
+        assert not hasattr(Tensor, "__index__")

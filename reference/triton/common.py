@@ -33,6 +33,40 @@ def interpreting() -> bool:
 KERNELS_INTERPRETED = interpreting()
 
 
+def _interpreter_range_fix() -> None:
+    """Let the interpreter take tensor loop bounds (``for blk in range(lo, hi)``) on Triton <= 3.6.
+
+    The interpreter holds a scalar as a 1-element numpy array; ``range`` calls ``tensor.__index__``,
+    which Triton 3.6 implements as ``int(handle.data)``: NumPy >= 2.4 refuses that for a (1,) array
+    ("only 0-dimensional arrays can be converted to Python scalars", triton-lang/triton#9171).
+    Newer Triton squeezes first (``int(handle.data.squeeze())``); where the installed interpreter
+    does not, set that after Triton's own patch of ``tensor`` (undone with it after each launch).
+    """
+    import types
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "dualattn_range_fix", False):
+        return
+    one = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.zeros(1, np.int32)))
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        try:
+            tensor.__index__(one)
+        except TypeError:
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    _patch_lang_tensor.dualattn_range_fix = True
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+if KERNELS_INTERPRETED:
+    _interpreter_range_fix()
+
+
 def next_pow2(x: int) -> int:
     return triton.next_power_of_2(max(int(x), 1))
 
