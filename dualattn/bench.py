@@ -21,7 +21,10 @@ runs them in.
 For every cell each dualattn implementation whose ``can_implement`` accepts it runs next to
 the peers available in this process: cuDNN and FlashAttention-2 through torch SDPA backends,
 FlexAttention (compiled), FlashAttention-4 (``flash_attn.cute``) when it imports. Times are
-medians of CUDA-event timings after warm-up, with the L2 cache flushed before each timed run;
+medians of CUDA-event timings after warm-up, with the L2 cache flushed before each timed run; the
+rows of a cell (peers, ours, graph replays) are timed in the same rounds, one run of each per
+round in a rotated order, so that all of them meet the same power-limited SM clock (its median
+over the rounds is the row's note and ``sm_mhz`` in the JSON);
 TFLOP/s count only useful FLOPs (visible query/key pairs; backward = 2.5x forward FLOPs);
 decode reports TB/s of KV cache read. The eager timing starts its event after the L2 flush was
 queued, so host work that fits in the flush's time overlaps it: it shows the gaps between a call's
@@ -508,32 +511,82 @@ def peer_runner(name: str, inp: Inputs) -> Runner:
 # ---------------------------------------------------------------------------------------------
 
 class Timer:
-    """CUDA-event timing with an L2 flush before each timed run."""
+    """CUDA-event timing with an L2 flush before each timed run.
+
+    ``time_interleaved`` times several functions in rounds, each round running every function
+    once in a rotated order, so that all of them see the same GPU clock: under the power limit
+    the SM clock drifts by up to 15 % within a cell (docs/bench-h100-20261124.md, section 20),
+    which timing one implementation after another turned into ratios that favoured whichever
+    ran first."""
 
     def __init__(self, warmup: int = 3, reps: int = 20, budget_s: float = 0.5):
         self.warmup, self.reps, self.budget_s = warmup, reps, budget_s
         # larger than the L2 of any current GPU (H100 50 MB, H200 60 MB, B200 126 MB)
         self.flush_buf = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
 
-    def time_ms(self, fn: Callable[[], object]) -> Tuple[float, int]:
+    def warm(self, fn: Callable[[], object]) -> float:
+        """Run the warm-up calls; return the wall time of one more call, in seconds."""
         for _ in range(self.warmup):
             fn()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         torch.cuda.synchronize()
-        one = time.perf_counter() - t0
-        reps = max(3, min(self.reps, int(self.budget_s / max(one, 1e-6))))
-        times = []
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(reps):
-            self.flush_buf.zero_()
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times), reps
+        return time.perf_counter() - t0
+
+    def timed_run(self, fn: Callable[[], object]) -> float:
+        """One timed call in ms, after an L2 flush."""
+        if not hasattr(self, "_events"):
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        start, end = self._events
+        self.flush_buf.zero_()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    def time_ms(self, fn: Callable[[], object]) -> Tuple[float, int]:
+        (ms, reps), = self.time_interleaved([fn], warm=True)
+        if isinstance(ms, BaseException):
+            raise ms
+        return ms, reps
+
+    def time_interleaved(self, fns: Sequence[Callable[[], object]], warm: bool = True,
+                         seconds: Optional[Sequence[float]] = None) -> List[Tuple[object, int]]:
+        """Median ms of each function over the same rounds, and the number of rounds. A function
+        that raises is dropped from the later rounds and its exception takes its median's place.
+        ``seconds``: each function's one-call time when the caller already warmed them."""
+        if warm:
+            seconds = [self.warm(fn) for fn in fns]
+        spent = sum(max(s, 1e-6) for s in seconds)
+        rounds = max(3, min(self.reps, int(self.budget_s * len(fns) / spent)))
+        times: List[List[float]] = [[] for _ in fns]
+        failed: List[Optional[BaseException]] = [None] * len(fns)
+        self.clocks_mhz = []  # the SM clock after each round, where NVML answers
+        for r in range(rounds):
+            for j in range(len(fns)):
+                i = (j + r) % len(fns)
+                if failed[i] is None:
+                    try:
+                        times[i].append(self.timed_run(fns[i]))
+                    except Exception as e:  # reported in its row; the others go on
+                        failed[i] = e
+                        if torch.cuda.is_available():
+                            torch.cuda.synchronize()
+            mhz = sm_clock_mhz()
+            if mhz is not None:
+                self.clocks_mhz.append(mhz)
+        return [(failed[i] if failed[i] is not None else statistics.median(times[i]), len(times[i]))
+                for i in range(len(fns))]
+
+
+def sm_clock_mhz() -> Optional[int]:
+    """The SM clock now (NVML through torch), or None where NVML is not installed."""
+    try:
+        return int(torch.cuda.clock_rate())
+    except Exception:
+        return None
 
 
 GRAPH = "@graph"  # suffix of the rows timed as a CUDA-graph replay
@@ -586,6 +639,7 @@ class Result:
     unit: str = ""
     reps: int = 0
     maxdiff: Optional[float] = None  # forward output vs the cell's reference peer
+    sm_mhz: Optional[float] = None   # median SM clock over the cell's timing rounds (NVML)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -635,6 +689,10 @@ def select_impls(names: Optional[Sequence[str]]) -> List[object]:
     return out
 
 
+def _error(e: BaseException) -> str:
+    return f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
 def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], timer: Timer,
                progress: Optional[Progress] = None, device: str = "cuda",
                on_result: Optional[Callable[[Result, List[Result]], None]] = None,
@@ -670,38 +728,56 @@ def run_matrix(cells: List[Cell], impls: List[object], peers: Sequence[str], tim
         entries = [(p, True, False) for p in peers] + [(i, False, False) for i in impls]
         if has_csr_form(cell):
             entries += [(i, False, True) for i in impls]
+        # 1. build and warm every runner, checking its forward output against the first one's;
+        # 2. capture the graphs; 3. time all of them in the same interleaved rounds.
+        rows: List[List[Result]] = []     # per entry: its eager row, then its graph row
+        timed: List[Tuple[Result, Callable[[], object], float]] = []
         for entry, is_peer, csr in entries:
             name = entry if is_peer else entry.name + (CSR if csr else "")
             r = Result(cell, name, is_peer, unit=unit)
-            runner = None
+            rows.append([r])
             try:
                 runner = peer_runner(entry, inp) if is_peer else dualattn_runner(entry, inp, csr=csr)
-                r.ms, r.reps = timer.time_ms(runner.fn)
-                r.rate = amount / (r.ms * 1e-3) / 1e12
+                seconds = timer.warm(runner.fn)
                 if runner.out is not None:
                     o = runner.out().float()
                     if ref_out is None:
                         ref_out = o
                     elif o.shape == ref_out.shape:
                         r.maxdiff = float((o - ref_out).abs().max())
+                timed.append((r, runner.fn, seconds))
             except NotApplicable as e:
                 r.status = f"n/a: {e}"
             except Exception as e:  # a failing implementation is reported, the run goes on
-                r.status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                r.status = _error(e)
                 if cuda:
                     torch.cuda.synchronize()
-            emit(r)
-            if progress:
-                progress.step(f"{cell.label()} {name}")
+                continue
             if (cell.kind == "decode" or graph) and cuda and r.status == "ok":
                 g = Result(cell, name + GRAPH, is_peer, unit=unit)
+                rows[-1].append(g)
                 try:
-                    g.ms, g.reps = timer.time_ms(cuda_graph_replay(runner.fn))
-                    g.rate = amount / (g.ms * 1e-3) / 1e12
+                    replay = cuda_graph_replay(runner.fn)
+                    timed.append((g, replay, timer.warm(replay)))
                 except Exception as e:  # e.g. a peer that cannot be captured
-                    g.status = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                    g.status = _error(e)
                     torch.cuda.synchronize()
-                emit(g)
+        if timed:
+            measured = timer.time_interleaved([fn for _, fn, _ in timed], warm=False,
+                                              seconds=[s for _, _, s in timed])
+            mhz = getattr(timer, "clocks_mhz", None)
+            for (r, _, _), (ms, reps) in zip(timed, measured):
+                if isinstance(ms, BaseException):
+                    r.status, r.maxdiff = _error(ms), None
+                    continue
+                r.ms, r.reps = ms, reps
+                r.rate = amount / (r.ms * 1e-3) / 1e12
+                r.sm_mhz = statistics.median(mhz) if mhz else None
+        for entry_rows in rows:
+            for r in entry_rows:
+                emit(r)
+            if progress:
+                progress.step(f"{cell.label()} {entry_rows[0].impl}")
         del inp
         if cuda:
             torch.cuda.empty_cache()
@@ -732,7 +808,7 @@ def format_row(r: Result, peers: Sequence[str], cell_results: Sequence[Result]) 
     ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9s}"
     rate = f"{r.rate:8.1f}" if r.rate is not None else f"{'-':>8s}"
     diff = f"{r.maxdiff:8.1e}" if r.maxdiff is not None else f"{'':>8s}"
-    note = "" if r.status == "ok" else r.status[:90]
+    note = r.status[:90] if r.status != "ok" else f"SM {r.sm_mhz:.0f} MHz" if r.sm_mhz else ""
     return f"{r.cell.label():44s} {r.impl:16s} {ms} {rate} {r.unit or '':7s} {' '.join(ratios)} {diff}  {note}"
 
 

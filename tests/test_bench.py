@@ -89,9 +89,59 @@ def test_visible_pairs_docs_and_sparse():
 
 
 class FakeTimer:
-    def time_ms(self, fn):
+    def warm(self, fn):
         fn()
-        return 1.0, 1
+        return 1e-3
+
+    def time_interleaved(self, fns, warm=True, seconds=None):
+        for fn in fns:
+            fn()
+        return [(1.0, 1)] * len(fns)
+
+
+class RecordingTimer(bench.Timer):
+    """bench.Timer's rounds on the CPU: each timed run records who ran and returns a time."""
+
+    def __init__(self, reps, times):
+        self.warmup, self.reps, self.budget_s = 1, reps, 1e9
+        self.order, self.times = [], times
+
+    def timed_run(self, fn):
+        name = fn()
+        self.order.append(name)
+        t = self.times[name]
+        return t(len([o for o in self.order if o == name])) if callable(t) else t
+
+
+def test_interleaved_rounds_rotate_and_share_the_clock():
+    """Every function runs once per round, in a rotated order (no function always first or last,
+    each sees the same drift of the clock); medians per function; one that raises is dropped from
+    the later rounds and reported, the others go on."""
+    drift = lambda k: 1.0 + 0.1 * k  # the GPU slows down round by round
+    timer = RecordingTimer(reps=6, times={"a": drift, "b": lambda k: 2 * drift(k), "c": 3.0})
+    fns = [lambda: "a", lambda: "b", lambda: "c"]
+    out = timer.time_interleaved(fns, warm=False, seconds=[1.0, 1.0, 1.0])
+    assert [reps for _, reps in out] == [6, 6, 6]
+    rounds = [timer.order[3 * r:3 * r + 3] for r in range(6)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert {r[0] for r in rounds} == {"a", "b", "c"} and {r[-1] for r in rounds} == {"a", "b", "c"}
+    assert out[1][0] == pytest.approx(2 * out[0][0]) and out[2][0] == 3.0  # drift cancels in the ratio
+
+    calls = {"n": 0}
+
+    def breaks():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("kaput")
+        return "b"
+    timer = RecordingTimer(reps=5, times={"a": 1.0, "b": 2.0})
+    out = timer.time_interleaved([lambda: "a", breaks], warm=False, seconds=[1.0, 1.0])
+    assert out[0] == (1.0, 5)
+    assert isinstance(out[1][0], RuntimeError) and out[1][1] == 1 and calls["n"] == 2
+    # the budget bounds the rounds: three at least, however slow the functions
+    timer = RecordingTimer(reps=20, times={"a": 1.0})
+    timer.budget_s = 0.5
+    assert timer.time_interleaved([lambda: "a"], warm=False, seconds=[10.0]) == [(1.0, 3)]
 
 
 TINY = [
