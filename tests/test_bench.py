@@ -103,7 +103,7 @@ class RecordingTimer(bench.Timer):
     """bench.Timer's rounds on the CPU: each timed run records who ran and returns a time."""
 
     def __init__(self, reps, times):
-        self.warmup, self.reps, self.budget_s = 1, reps, 1e9
+        self.warmup, self.reps, self.budget_s, self.rehearse = 1, reps, 1e9, False
         self.order, self.times = [], times
 
     def timed_run(self, fn):
