@@ -1,0 +1,87 @@
+"""Power, SM clock and work per joule of each implementation on long cells (GPU only).
+
+    python ci/power_probe.py [--impls fast-sm90,fa4,cudnn] [--seconds 1.5] [--rounds 3]
+
+Is the forward at long sequences bound by the board's power limit? For each cell, every
+implementation's CUDA-graph replay runs back to back for ``--seconds`` at a time, the
+implementations taking turns over ``--rounds`` rounds (so all of them meet the same temperature),
+while NVML is read every few replays: board power, SM clock. Printed per implementation: TFLOP/s
+over the whole stretch, mean power and clock, and TFLOP per joule (useful FLOPs / energy).
+Where every implementation sits at the power limit, speed is energy per FLOP: a kernel that
+moves fewer bytes per FLOP runs at a higher clock. A dense GEMM (torch.matmul) is measured the
+same way for scale.
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import dualattn.fast.sm90 as sm90
+from dualattn import bench as B
+
+
+def nvml_sample():
+    return torch.cuda.power_draw() / 1000.0, torch.cuda.clock_rate()  # W, MHz
+
+
+def run_stretch(fn, seconds):
+    """Replay ``fn`` for about ``seconds``; return (calls, elapsed s, [(W, MHz), ...])."""
+    samples, calls = [], 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(4):
+            fn()
+        calls += 4
+        torch.cuda.synchronize()
+        samples.append(nvml_sample())
+    return calls, time.perf_counter() - t0, samples
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--impls", default="fast-sm90,fa4,cudnn")
+    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    cells = [B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128),
+             B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128, True),
+             B.Cell("fwd", "dense", 1, 16384, 16384, 32, 32, 64),
+             B.Cell("fwd", "dense", 1, 16384, 16384, 8, 8, 256)]
+    print(f"# {torch.cuda.get_device_name()}; {a.rounds} rounds x {a.seconds} s per implementation; peak at a "
+          f"clock: 132 SMs x 4096 dense bf16 FLOP per clock")
+    for cell in cells:
+        inp = B.make_inputs(cell)
+        flops = B.work(cell)[0]
+        fns = {}
+        for name in a.impls.split(","):
+            try:
+                r = B.dualattn_runner(sm90.FORWARD, inp) if name == "fast-sm90" else B.peer_runner(name, inp)
+                r.fn()
+                fns[name] = B.cuda_graph_replay(r.fn)
+            except Exception as e:  # a peer missing here
+                print(f"{cell.label()} {name}: {type(e).__name__}: {e}")
+        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+        fns["gemm 8192^3"] = lambda: torch.matmul(x, x)
+        stats = {n: [0, 0.0, []] for n in fns}
+        for _ in range(a.rounds):
+            for n, fn in fns.items():
+                calls, secs, samples = run_stretch(fn, a.seconds)
+                stats[n][0] += calls
+                stats[n][1] += secs
+                stats[n][2] += samples
+        for n, (calls, secs, samples) in stats.items():
+            work = 2 * 8192 ** 3 if n.startswith("gemm") else flops
+            tflops = work * calls / secs / 1e12
+            watts = statistics.mean(w for w, _ in samples)
+            mhz = statistics.mean(c for _, c in samples)
+            print(f"{cell.label():44s} {n:12s} {tflops:7.1f} TFLOP/s  {watts:6.1f} W  {mhz:6.0f} MHz  "
+                  f"{tflops / watts:6.3f} TFLOP/J  {tflops / (132 * 4096 * mhz / 1e6) * 100:5.1f} % of "
+                  f"the peak at that clock", flush=True)
+        del inp, fns
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
