@@ -1,10 +1,11 @@
 """Power, SM clock and work per joule of each implementation on long cells (GPU only).
 
-    python ci/power_probe.py [--impls fast-sm90,fa4,cudnn] [--seconds 1.5] [--rounds 3]
+    python ci/power_probe.py [--impls fast-sm90,fa4,cudnn] [--seconds 1.5] [--rounds 4] [--settle 1]
 
 Is the forward at long sequences bound by the board's power limit? For each cell, every
 implementation's CUDA-graph replay runs back to back for ``--seconds`` at a time, the
-implementations taking turns over ``--rounds`` rounds (so all of them meet the same temperature),
+implementations taking turns in a rotated order over ``--rounds`` rounds (so all of them meet
+the same temperature), each after ``--settle`` seconds of running unmeasured,
 while NVML is read every few replays: board power, SM clock. Printed per implementation: TFLOP/s
 over the whole stretch, mean power and clock, and TFLOP per joule (useful FLOPs / energy).
 Where every implementation sits at the power limit, speed is energy per FLOP: a kernel that
@@ -25,10 +26,15 @@ def nvml_sample():
     return torch.cuda.power_draw() / 1000.0, torch.cuda.clock_rate()  # W, MHz
 
 
-def run_stretch(fn, seconds):
-    """Replay ``fn`` for about ``seconds``; return (calls, elapsed s, [(W, MHz), ...])."""
+def run_stretch(fn, seconds, settle):
+    """Replay ``fn`` for ``settle`` s (NVML's power reading averages over a window, so it still
+    shows the previous implementation), then for ``seconds`` more, measured; return (calls,
+    elapsed s, [(W, MHz), ...]) of the measured part."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < settle:
+        fn()
+        torch.cuda.synchronize()
     samples, calls = [], 0
-    torch.cuda.synchronize()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for _ in range(4):
@@ -43,7 +49,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--impls", default="fast-sm90,fa4,cudnn")
     ap.add_argument("--seconds", type=float, default=1.5)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds run before each measured stretch")
     a = ap.parse_args()
     cells = [B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128),
              B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128, True),
@@ -65,9 +72,10 @@ def main():
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         fns["gemm 8192^3"] = lambda: torch.matmul(x, x)
         stats = {n: [0, 0.0, []] for n in fns}
-        for _ in range(a.rounds):
-            for n, fn in fns.items():
-                calls, secs, samples = run_stretch(fn, a.seconds)
+        names = list(fns)
+        for r in range(a.rounds):
+            for n in names[r % len(names):] + names[:r % len(names)]:  # a rotated order
+                calls, secs, samples = run_stretch(fns[n], a.seconds, a.settle)
                 stats[n][0] += calls
                 stats[n][1] += secs
                 stats[n][2] += samples
