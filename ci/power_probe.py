@@ -13,6 +13,7 @@ moves fewer bytes per FLOP runs at a higher clock. A dense GEMM (torch.matmul) i
 same way for scale.
 """
 import argparse
+import os
 import statistics
 import time
 
@@ -50,6 +51,11 @@ def main():
     ap.add_argument("--impls", default="fast-sm90,fa4,cudnn")
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--knob", action="append", default=[], metavar="ATTR=VALUE",
+                    help="also fast-sm90 with dualattn.fast.sm90.ATTR set to VALUE while it compiles "
+                         "(e.g. _TILE_INFO_ENV=0), or with an environment variable (env:NAME=VALUE, "
+                         "e.g. env:DUALATTN_SM90_TILES=128:80,2,1,1,3); repeatable")
+    ap.add_argument("--hdim", default="", help="only these head dims (comma list)")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds run before each measured stretch")
     a = ap.parse_args()
     cells = [B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128),
@@ -58,6 +64,8 @@ def main():
              B.Cell("fwd", "dense", 1, 16384, 16384, 8, 8, 256)]
     print(f"# {torch.cuda.get_device_name()}; {a.rounds} rounds x {a.seconds} s per implementation; peak at a "
           f"clock: 132 SMs x 4096 dense bf16 FLOP per clock")
+    if a.hdim:
+        cells = [c for c in cells if str(c.head_dim) in a.hdim.split(",")]
     for cell in cells:
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
@@ -69,6 +77,25 @@ def main():
                 fns[name] = B.cuda_graph_replay(r.fn)
             except Exception as e:  # a peer missing here
                 print(f"{cell.label()} {name}: {type(e).__name__}: {e}")
+        for knob in a.knob:
+            attr, value = knob.split("=", 1)
+            env = attr.startswith("env:")  # an environment variable read per call
+            old = os.environ.get(attr[4:]) if env else getattr(sm90, attr)
+            if env:
+                os.environ[attr[4:]] = value
+            else:
+                setattr(sm90, attr, value)
+            sm90.FORWARD._entries.clear()
+            r = B.dualattn_runner(sm90.FORWARD, inp)
+            r.fn()
+            fns[f"fast-sm90 {knob}"] = B.cuda_graph_replay(r.fn)  # the replay keeps the kernel
+            if env and old is None:
+                del os.environ[attr[4:]]
+            elif env:
+                os.environ[attr[4:]] = old
+            else:
+                setattr(sm90, attr, old)
+            sm90.FORWARD._entries.clear()
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         fns["gemm 8192^3"] = lambda: torch.matmul(x, x)
         stats = {n: [0, 0.0, []] for n in fns}
@@ -84,7 +111,7 @@ def main():
             tflops = work * calls / secs / 1e12
             watts = statistics.mean(w for w, _ in samples)
             mhz = statistics.mean(c for _, c in samples)
-            print(f"{cell.label():44s} {n:12s} {tflops:7.1f} TFLOP/s  {watts:6.1f} W  {mhz:6.0f} MHz  "
+            print(f"{cell.label():44s} {n:28s} {tflops:7.1f} TFLOP/s  {watts:6.1f} W  {mhz:6.0f} MHz  "
                   f"{tflops / watts:6.3f} TFLOP/J  {tflops / (132 * 4096 * mhz / 1e6) * 100:5.1f} % of "
                   f"the peak at that clock", flush=True)
         del inp, fns
