@@ -27,6 +27,18 @@ def nvml_sample():
     return torch.cuda.power_draw() / 1000.0, torch.cuda.clock_rate()  # W, MHz
 
 
+def set_knob(assignment):
+    """ATTR=VALUE (a dualattn.fast.sm90 attribute) or env:NAME=VALUE; returns its undo."""
+    attr, value = assignment.split("=", 1)
+    if attr.startswith("env:"):  # an environment variable read per call
+        name, old = attr[4:], os.environ.get(attr[4:])
+        os.environ[name] = value
+        return lambda: os.environ.pop(name) if old is None else os.environ.__setitem__(name, old)
+    old = getattr(sm90, attr)
+    setattr(sm90, attr, value)
+    return lambda: setattr(sm90, attr, old)
+
+
 def run_stretch(fn, seconds, settle):
     """Replay ``fn`` for ``settle`` s (NVML's power reading averages over a window, so it still
     shows the previous implementation), then for ``seconds`` more, measured; return (calls,
@@ -54,7 +66,7 @@ def main():
     ap.add_argument("--knob", action="append", default=[], metavar="ATTR=VALUE",
                     help="also fast-sm90 with dualattn.fast.sm90.ATTR set to VALUE while it compiles "
                          "(e.g. _TILE_INFO_ENV=0), or with an environment variable (env:NAME=VALUE, "
-                         "e.g. env:DUALATTN_SM90_TILES=128:80,2,1,1,3); repeatable")
+                         "e.g. env:DUALATTN_SM90_TILES=128:80,2,1,1,3), several joined by '+'; repeatable")
     ap.add_argument("--hdim", default="", help="only these head dims (comma list)")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds run before each measured stretch")
     a = ap.parse_args()
@@ -78,23 +90,13 @@ def main():
             except Exception as e:  # a peer missing here
                 print(f"{cell.label()} {name}: {type(e).__name__}: {e}")
         for knob in a.knob:
-            attr, value = knob.split("=", 1)
-            env = attr.startswith("env:")  # an environment variable read per call
-            old = os.environ.get(attr[4:]) if env else getattr(sm90, attr)
-            if env:
-                os.environ[attr[4:]] = value
-            else:
-                setattr(sm90, attr, value)
+            saved = [set_knob(part) for part in knob.split("+")]
             sm90.FORWARD._entries.clear()
             r = B.dualattn_runner(sm90.FORWARD, inp)
             r.fn()
             fns[f"fast-sm90 {knob}"] = B.cuda_graph_replay(r.fn)  # the replay keeps the kernel
-            if env and old is None:
-                del os.environ[attr[4:]]
-            elif env:
-                os.environ[attr[4:]] = old
-            else:
-                setattr(sm90, attr, old)
+            for undo in reversed(saved):
+                undo()
             sm90.FORWARD._entries.clear()
         x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
         fns["gemm 8192^3"] = lambda: torch.matmul(x, x)
