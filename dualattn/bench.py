@@ -35,6 +35,7 @@ measured in the same run for scale. Each dualattn forward output is compared wit
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -830,9 +831,15 @@ def format_table(results: List[Result], peers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def _open_text(path: str, mode: str):
+    """A text file, gzip-compressed where the name ends in .gz (the JSON kept under docs/)."""
+    return gzip.open(path, mode + "t", encoding="utf-8") if path.endswith(".gz") else open(path, mode)
+
+
 def write_json(path: str, results: List[Result], meta: dict) -> None:
-    """The run as JSON, one result per line (diffable; a third the size of an indented dump)."""
-    with open(path, "w") as f:
+    """The run as JSON, one result per line (diffable; a third the size of an indented dump);
+    gzip-compressed where ``path`` ends in .gz."""
+    with _open_text(path, "w") as f:
         f.write(dumps_results(meta, [r.to_json() for r in results]))
 
 
@@ -842,8 +849,8 @@ def dumps_results(meta: dict, results: list) -> str:
 
 
 def load_results(path: str) -> List[Result]:
-    """Results written by --json, for --replot."""
-    with open(path) as f:
+    """Results written by --json (plain or .gz), for --replot."""
+    with _open_text(path, "r") as f:
         data = json.load(f)
     out = []
     for d in data["results"]:

@@ -248,6 +248,11 @@ def test_replot_from_json(tmp_path):
     bench.write_json(str(path), results, {"device": "cpu"})
     loaded = bench.load_results(str(path))
     assert [(r.cell, r.impl, r.rate) for r in loaded] == [(r.cell, r.impl, r.rate) for r in results]
+    gz = tmp_path / "r.json.gz"  # the form kept under docs/
+    bench.write_json(str(gz), results, {"device": "cpu"})
+    assert gz.read_bytes()[:2] == b"\x1f\x8b"
+    assert [(r.cell, r.impl, r.rate) for r in bench.load_results(str(gz))] == \
+        [(r.cell, r.impl, r.rate) for r in results]
     out = tmp_path / "r.png"
     assert bench.main(["--replot", str(path), "--plot", str(out)]) == 0
     assert out.stat().st_size > 10_000
