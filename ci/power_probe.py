@@ -74,8 +74,9 @@ def main():
              B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128, True),
              B.Cell("fwd", "dense", 1, 16384, 16384, 32, 32, 64),
              B.Cell("fwd", "dense", 1, 16384, 16384, 8, 8, 256)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {torch.cuda.get_device_name()}; {a.rounds} rounds x {a.seconds} s per implementation; peak at a "
-          f"clock: 132 SMs x 4096 dense bf16 FLOP per clock")
+          f"clock: {sms} SMs x 4096 dense bf16 FLOP per clock")
     if a.hdim:
         cells = [c for c in cells if str(c.head_dim) in a.hdim.split(",")]
     for cell in cells:
@@ -114,7 +115,7 @@ def main():
             watts = statistics.mean(w for w, _ in samples)
             mhz = statistics.mean(c for _, c in samples)
             print(f"{cell.label():44s} {n:28s} {tflops:7.1f} TFLOP/s  {watts:6.1f} W  {mhz:6.0f} MHz  "
-                  f"{tflops / watts:6.3f} TFLOP/J  {tflops / (132 * 4096 * mhz / 1e6) * 100:5.1f} % of "
+                  f"{tflops / watts:6.3f} TFLOP/J  {tflops / (sms * 4096 * mhz / 1e6) * 100:5.1f} % of "
                   f"the peak at that clock", flush=True)
         del inp, fns
         torch.cuda.empty_cache()

@@ -517,8 +517,7 @@ class Timer:
     ``time_interleaved`` times several functions in rounds, each round running every function
     once in a rotated order, so that all of them see the same GPU clock: under the power limit
     the SM clock drifts by up to 15 % within a cell (docs/bench-h100-20261124.md, section 20),
-    which timing one implementation after another turned into ratios that favoured whichever
-    ran first."""
+    and timing one implementation after another let that drift into the ratios between them."""
 
     def __init__(self, warmup: int = 3, reps: int = 20, budget_s: float = 0.5, rehearse: bool = True):
         self.warmup, self.reps, self.budget_s = warmup, reps, budget_s
