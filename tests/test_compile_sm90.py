@@ -141,7 +141,11 @@ def test_stream_k_merge_only_in_equal_work_configs(d):
     causal pairs only short calls (one CTA per tile from 4k): never enough keys to cut."""
     plain, causal = _spec(d, sq=4096, sk=4096), _spec(d, causal=True, sq=4096, sk=4096)
     window, sliding = _spec(d, window=(100, 100)), _spec(d, causal=True, window=(64, -1))
-    short, short_causal = _spec(d, sq=4096, sk=3000), _spec(d, causal=True, sq=3000, sk=3000)
+    # under the minimum keys a unit must visit to be cut: 4096, or 2048 for one tile at D <= 128
+    short = _spec(d, sq=4096, sk=1900 if d <= 128 else 3000)
+    short_causal = _spec(d, causal=True, sq=3000, sk=3000)
+    if d <= 128:  # a single tile of 2k keys is cut there, a pair of causal tiles is not
+        assert FastSm90Forward.stream_k(_spec(d, sq=4096, sk=2048))
     equal_work = (plain, causal) if d < 256 else (plain,)
     assert FastSm90Forward.paired(_spec(d, True)) and (d == 256 or FastSm90Forward.paired(causal))
     for spec in equal_work:

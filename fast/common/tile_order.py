@@ -257,6 +257,11 @@ def varlen_paired_tile(tile, num_ctas, tiles_per_sequence, num_heads):
 #   hd256 same lengths: 1.119 / 1.052 / 1.012 / 0.990 / 0.971 / 0.965; hd256 7936 (992 tiles) 0.952
 # (a shape of whole rounds, which cuts nothing, moved by 1 %: the noise).
 STREAM_K_MIN_KEYS = 4096
+# The same for tiles of one query block at D <= 128 (hd64, hd96, hd128, GQA; not the paired
+# causal order): 2k keys earn the cut back there. H200, same A/B with the minimum at 0, four runs
+# (docs section 29), time cut / uncut at 2k: hd64 0.978-0.987, hd128 0.956-0.993, GQA 32/8
+# 0.978-0.985; hd256 0.998-1.024 and hd64 1k 0.984-1.000 (so neither moves).
+STREAM_K_MIN_KEYS_NARROW = 2048
 
 
 def stream_k_tiles(num_tiles, num_ctas, blocks_per_tile, tile_n, min_keys=STREAM_K_MIN_KEYS):

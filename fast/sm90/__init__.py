@@ -30,7 +30,7 @@ from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
 from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
-                                              heads_per_section,
+                                              STREAM_K_MIN_KEYS_NARROW, heads_per_section,
                                               paired_unit_blocks, paired_units, split_tail_plan,
                                               stream_k_tiles)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
@@ -62,9 +62,12 @@ _TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Fo
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
 
-def _stream_k_min_keys() -> int:
-    """Keys a unit must visit to be cut (read at call time: tests set the override)."""
-    return int(_STREAM_K_MIN_KEYS_ENV) if _STREAM_K_MIN_KEYS_ENV else STREAM_K_MIN_KEYS
+def _stream_k_min_keys(narrow: bool) -> int:
+    """Keys a unit must visit to be cut (read at call time: tests set the override); ``narrow``:
+    a unit is one tile at D <= 128 (tile_order.STREAM_K_MIN_KEYS_NARROW)."""
+    if _STREAM_K_MIN_KEYS_ENV:
+        return int(_STREAM_K_MIN_KEYS_ENV)
+    return STREAM_K_MIN_KEYS_NARROW if narrow else STREAM_K_MIN_KEYS
 
 
 # partial results per row in the softmax's reductions (FastSm90Forward.reduce_chains), comparisons
@@ -607,13 +610,19 @@ class FastSm90Forward:
         g = cls.pack_gqa(spec)
         num_m_blocks = -(-(g * spec.seqlen_q) // tile_m)
         hb = spec.batch * (spec.num_heads_q // g)
-        min_keys = _stream_k_min_keys()
+        min_keys = _stream_k_min_keys(cls._stream_k_narrow(spec))
         if not cls.paired(spec):
             units, blocks, fewest = num_m_blocks * hb, -(-spec.seqlen_k // tile_n), 1
         else:
             units = paired_units(num_m_blocks, hb)
             blocks, fewest = paired_unit_blocks(num_m_blocks, cls.paired_key_blocks(spec))
         return units, (blocks if fewest > 0 and blocks * tile_n >= min_keys else 0)
+
+    @classmethod
+    def _stream_k_narrow(cls, spec) -> bool:
+        """Units of one tile at D <= 128, which earn a cut from 2k keys
+        (tile_order.STREAM_K_MIN_KEYS_NARROW); pairs and wider heads from 4k."""
+        return spec.head_dim <= 128 and not cls.paired(spec)
 
     def stream_k_plan(self, spec, device) -> Tuple[int, int]:
         """(cut units, key blocks per unit) of a stream-K call, (0, 0) where nothing is cut
@@ -625,7 +634,7 @@ class FastSm90Forward:
         if blocks == 0:
             return 0, 0
         cut = stream_k_tiles(units, min(units, _num_sms(device)), blocks, self.config(spec)[1],
-                             _stream_k_min_keys())
+                             _stream_k_min_keys(self._stream_k_narrow(spec)))
         return (cut, blocks) if cut else (0, 0)
 
     @classmethod
