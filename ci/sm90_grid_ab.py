@@ -62,6 +62,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "split_tail": ("_SPLIT_TAIL_ENV", "0", "whole pairs"),
          "bit_mask": ("_BIT_MASK_ENV", "0", "compare masks"),
          "tile_info": ("_TILE_INFO_ENV", "0", "consumers decode"),
+         "q_regs": ("_Q_REGS_ENV", "1", "Q from registers"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 
@@ -144,7 +145,7 @@ def main(knob: str, tiles: str = ""):
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[1024, 2048, 4096])
     elif knob == "tile_info":  # the mask cells, and the dense / GQA cells to 4k (short tiles)
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], seqlens=[1024, 2048, 4096])
-    elif knob == "reduce_chains":  # dense and GQA cells (DUALATTN_AB_CELLS picks)
+    elif knob in ("reduce_chains", "q_regs"):  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
         wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])

@@ -57,7 +57,8 @@ _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see Fast
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
 _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forward.bit_mask
-_TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
+_TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")
+_Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs  # see FastSm90Forward.tile_info
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -380,7 +381,7 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
-                self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -522,6 +523,12 @@ class FastSm90Forward:
         kernels per config, never a kernel per shape.
         DUALATTN_SM90_STREAM_K=0 turns it off (comparisons)."""
         return cls._stream_k_order(spec) and cls.stream_k_units(spec)[1] > 0
+
+    @classmethod
+    def q_regs(cls, spec) -> bool:
+        """Q K^T with Q from registers (FlashFwdSm90.q_regs). DUALATTN_SM90_Q_REGS=1 turns it on
+        for D <= 128 (experiment)."""
+        return _Q_REGS_ENV == "1" and spec.head_dim <= 128 and cls.config(spec)[0] == 128
 
     @staticmethod
     def tile_info(spec) -> bool:
@@ -716,7 +723,8 @@ class FastSm90Forward:
                             rescale_before_pv=self.rescale_before_pv(spec),
                             reduce_chains=self.reduce_chains(spec),
                             wg_key_bound=self.wg_key_bound(spec), split_tail=self.split_tail(spec),
-                            bit_mask=self.bit_mask(spec), tile_info=self.tile_info(spec))
+                            bit_mask=self.bit_mask(spec), tile_info=self.tile_info(spec),
+                            q_regs=self.q_regs(spec))
 
     @staticmethod
     def arg_schema(spec):

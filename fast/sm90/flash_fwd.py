@@ -41,7 +41,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Uint32, const_expr
 from cutlass import pipeline
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
 
 from cutlass import Boolean
@@ -176,8 +176,12 @@ class FlashFwdSm90:
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
                  varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
                  reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False,
-                 bit_mask: bool = False, tile_info: bool = False):
+                 bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False):
         self.dtype = dtype
+        # Q K^T with Q from registers (RS wgmma; Q copied from shared memory by ldmatrix once
+        # per tile) instead of from shared memory (SS): each Q K^T then reads only K from shared
+        # memory
+        self.q_regs = q_regs
         # the producer warp decodes every tile's coordinates (item_coords: a few integer
         # divisions by run-time values, ~300 SASS instructions per tile at causal hd64 with the
         # paired order) and passes them to the consumers through shared memory, off their path
@@ -318,7 +322,8 @@ class FlashFwdSm90:
         D, Dv, BM, BN = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN))
+            Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN),
+            a_source=warpgroup.OperandSource.RMEM if const_expr(self.q_regs) else warpgroup.OperandSource.SMEM)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
             Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, Dv),
@@ -989,7 +994,16 @@ class FlashFwdSm90:
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         thr_mma_pv = tiled_mma_pv.get_slice(tidx)
 
-        tSrQ = wg_slice_qk.make_fragment_A(wg_slice_qk.partition_A(sQ))        # (MMA, 1, D/16[, st])
+        if const_expr(self.q_regs):
+            # this thread's share of Q in registers, filled from shared memory once per tile
+            sQ0 = sQ[None, None, 0] if const_expr(self.q_stages > 1) else sQ
+            tSrQ = thr_mma_qk.make_fragment_A(thr_mma_qk.partition_A(sQ0))       # (MMA, 1, D/16)
+            ld_q = cute.make_tiled_copy_A(
+                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+                tiled_mma_qk).get_slice(tidx)
+            tQsQ, tQrQ = ld_q.partition_S(sQ), ld_q.retile(tSrQ)
+        else:
+            tSrQ = wg_slice_qk.make_fragment_A(wg_slice_qk.partition_A(sQ))    # (MMA, 1, D/16[, st])
         tSrK = wg_slice_qk.make_fragment_B(wg_slice_qk.partition_B(sK))        # (MMA, 1, D/16, st)
         tOrVt = wg_slice_pv.make_fragment_B(wg_slice_pv.partition_B(sVt))      # (MMA, 1, BN/16, st)
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((BM, Dv)), Float32)
@@ -1083,7 +1097,7 @@ class FlashFwdSm90:
                     n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
                     n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
                 tSrQ_tile = tSrQ
-                if const_expr(self.q_stages > 1):
+                if const_expr(self.q_stages > 1 and not self.q_regs):
                     tSrQ_tile = tSrQ[None, None, None, q_state.index]
                 ctx = _Ctx(pipe_k=pipe_k, pipe_v=pipe_v, tiled_mma_qk=tiled_mma_qk,
                            tiled_mma_pv=tiled_mma_pv, thr_mma_qk=thr_mma_qk, tSrQ=tSrQ_tile, tSrK=tSrK,
@@ -1103,6 +1117,9 @@ class FlashFwdSm90:
                                                  kr_row0, tScS_mn, m_block * BM, seqlen_q,
                                                  self.num_key_ranges)[0]
                 pipe_q.consumer_wait(q_state)
+                if const_expr(self.q_regs):
+                    tQsQ_tile = tQsQ[None, None, None, q_state.index] if const_expr(self.q_stages > 1) else tQsQ
+                    cute.copy(ld_q, tQsQ_tile, tQrQ)
                 if const_expr(self.block_sparse):
                     # CSR visits in three runs, each with its mask decided at trace time
                     if n_blocks > 0:
