@@ -69,16 +69,24 @@ def main():
                          "e.g. env:DUALATTN_SM90_TILES=128:80,2,1,1,3), several joined by '+'; repeatable")
     ap.add_argument("--hdim", default="", help="only these head dims (comma list)")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds run before each measured stretch")
+    ap.add_argument("--seqlen", default="", help="instead of the 16k cells: dense cells of these "
+                    "lengths (comma list; 16k tokens, heads x dim = 2048, as the bench), causal and not")
+    ap.add_argument("--causal", default="", help="only causal (1) or non-causal (0) cells")
     a = ap.parse_args()
     cells = [B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128),
              B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128, True),
              B.Cell("fwd", "dense", 1, 16384, 16384, 32, 32, 64),
              B.Cell("fwd", "dense", 1, 16384, 16384, 8, 8, 256)]
+    if a.seqlen:
+        cells = [B.Cell("fwd", "dense", 16384 // n, n, n, 2048 // d, 2048 // d, d, causal)
+                 for d in (64, 128, 256) for causal in (False, True) for n in map(int, a.seqlen.split(","))]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"# {torch.cuda.get_device_name()}; {a.rounds} rounds x {a.seconds} s per implementation; peak at a "
           f"clock: {sms} SMs x 4096 dense bf16 FLOP per clock")
     if a.hdim:
         cells = [c for c in cells if str(c.head_dim) in a.hdim.split(",")]
+    if a.causal:
+        cells = [c for c in cells if c.causal == (a.causal == "1")]
     for cell in cells:
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]

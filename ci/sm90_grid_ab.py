@@ -27,6 +27,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                            # compare per element, on the mask and causal cells
     python ci/sm90_grid_ab.py bit_mask force   # forced on (3-warpgroup tiles too) against the
                                                # default, on causal hd64 from 4k
+    python ci/sm90_grid_ab.py q_regs       # Q K^T with Q from registers (default on plain non-causal
+                                           # 128-row tiles) against from shared memory
     python ci/sm90_grid_ab.py tile_info    # tile coordinates from the producer against each
                                            # consumer decoding them (branch wip/tile-info-smem)
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
@@ -62,7 +64,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "split_tail": ("_SPLIT_TAIL_ENV", "0", "whole pairs"),
          "bit_mask": ("_BIT_MASK_ENV", "0", "compare masks"),
          "tile_info": ("_TILE_INFO_ENV", "0", "consumers decode"),
-         "q_regs": ("_Q_REGS_ENV", "1", "Q from registers"),
+         "q_regs": ("_Q_REGS_ENV", "0", "Q from shared memory"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 

@@ -57,8 +57,8 @@ _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see Fast
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
 _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forward.bit_mask
-_TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")
-_Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs  # see FastSm90Forward.tile_info
+_TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
+_Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -526,9 +526,20 @@ class FastSm90Forward:
 
     @classmethod
     def q_regs(cls, spec) -> bool:
-        """Q K^T with Q from registers (FlashFwdSm90.q_regs). DUALATTN_SM90_Q_REGS=1 turns it on
-        for D <= 128 (experiment)."""
-        return _Q_REGS_ENV == "1" and spec.head_dim <= 128 and cls.config(spec)[0] == 128
+        """Q K^T with Q from registers (FlashFwdSm90.q_regs): ldmatrix copies the tile's Q once,
+        and each Q K^T reads only K from shared memory, a fifth less shared-memory traffic per key
+        block at hd128. At the 700 W limit that is energy: H200, ci/power_probe.py, hd128 16k
+        non-causal 653.1 / 653.0 -> 671.8 / 671.3 TFLOP/s (0.946 -> 0.972 TFLOP/J, two runs; FA4
+        664.7), causal level (618.2 / 618.6 -> 620.9 / 619.3); at the full clock (graph A/B) the
+        short cells moved by -2..+1 % (docs section 29). Plain non-causal calls (no window, key
+        ranges or CSR) in 128-row tiles at D <= 128: Q adds D / 4 registers per thread, which the
+        3-warpgroup tiles (160 registers) spill. DUALATTN_SM90_Q_REGS=0 turns it off, =1 on for
+        every 128-row tile at D <= 128 (comparisons; the worker suite passes either way)."""
+        if _Q_REGS_ENV == "0" or spec.head_dim > 128 or cls.config(spec)[0] != 128:
+            return False
+        plain = not spec.causal and spec.window == (-1, -1) and not spec.has_key_ranges \
+            and not spec.has_block_sparse
+        return plain or _Q_REGS_ENV == "1"
 
     @staticmethod
     def tile_info(spec) -> bool:
