@@ -86,16 +86,17 @@ def test_compile_key_is_explicit_and_shape_free():
     key = FORWARD.compile_key
     a, b = _spec(sq=100, sk=7000), _spec(sq=4096, sk=5000)
     assert key(a, 90) == key(b, 90)  # shapes never recompile
-    short_a, short_b = _spec(sq=100, sk=33), _spec(sq=4096, sk=3000)
+    short_a, short_b = _spec(sq=100, sk=33), _spec(sq=4096, sk=1900)  # under 2048 keys (D <= 128)
     assert key(short_a, 90) == key(short_b, 90)
     # ... except that keys too few to cut (stream-K) pick the kernel without that code
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1,
+                   False, False, False, False, True, True, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1,
                    True, "sm_90a")
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
-    # coordinates from the producer: FastSm90Forward.tile_info, index 19)
+    # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
+    # FastSm90Forward.q_regs, index 20)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1

@@ -140,3 +140,28 @@ def test_masked_loops_test_bits_not_keys_where_bit_masks_are_on(bit_mask, tmp_pa
             assert count(lo, hi, "ISETP") <= steady + 8 and count(lo, hi, "R2P") >= 4
         else:
             assert count(lo, hi, "ISETP") >= steady + 64 and count(lo, hi, "R2P") == 0
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_plain_noncausal_128_row_tiles_take_q_from_registers(tmp_path):
+    """FastSm90Forward.q_regs: plain non-causal batched calls in 128-row tiles at D <= 128 copy Q
+    into registers once per tile (LDSM) and every Q K^T reads it there (HGMMA with a register A
+    operand, as P V); causal calls keep Q K^T from shared memory (a descriptor A operand)."""
+    sm90 = FastSm90Forward
+    assert sm90.q_regs(_spec(128, False, 8192)) and sm90.q_regs(_spec(96, False, 2048))
+    assert sm90.q_regs(AttentionSpec("batched", 2, 2048, 2048, 32, 8, 128, 128, torch.bfloat16, "cuda"))
+    for off in (_spec(128, True, 8192), _spec(128, False, 8192, window=(256, 256)), _spec(64, False, 8192),
+                _spec(256, False, 8192),
+                AttentionSpec("varlen", 3, 4096, 4096, 8, 8, 128, 128, torch.bfloat16, "cuda")):
+        assert not sm90.q_regs(off), off
+    rs = re.compile(r"HGMMA\.\S+\s+R\d+,\s*R\d+,")
+    for causal in (False, True):
+        log, sass = assemble(sm90().compile_only(_spec(128, causal, 8192), arch=90).__ptx__, str(tmp_path))
+        gmma = [ln for ln in sass if "HGMMA" in ln]
+        ldsm = sum("LDSM" in ln for ln in sass)
+        if causal:
+            assert ldsm == 0 and any(not rs.search(ln) for ln in gmma)
+        else:
+            assert ldsm > 0 and all(rs.search(ln) for ln in gmma), gmma[:2]
+            assert "0 bytes spill stores" in log
