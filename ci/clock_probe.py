@@ -21,8 +21,8 @@ import time
 
 import torch
 
-import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
+from power_probe import GEMM, GEMM_FLOP, graph_replays  # ci/, the script's own directory
 
 CELLS = [B.Cell("fwd", "dense", 1, 16384, 16384, 16, 16, 128), B.Cell("fwd", "dense", 16, 1024, 1024, 16, 16, 128),
          B.Cell("fwd", "dense", 1, 16384, 16384, 8, 8, 256), B.Cell("fwd", "dense", 1, 16384, 16384, 32, 32, 64)]
@@ -50,19 +50,10 @@ def main():
     for cell in CELLS:
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
-        fns = {}
-        for name in a.impls.split(","):
-            try:
-                r = B.dualattn_runner(sm90.FORWARD, inp) if name == "fast-sm90" else B.peer_runner(name, inp)
-                r.fn()
-                fns[name] = B.cuda_graph_replay(r.fn)
-            except Exception as e:  # a peer missing here
-                print(f"{cell.label()} {name}: {type(e).__name__}: {e}")
-        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        fns["gemm 8192^3"] = lambda: torch.matmul(x, x)
+        fns = graph_replays(cell, inp, a.impls.split(","))
         for _ in range(a.rounds):
             for name, fn in fns.items():
-                work = 2 * 8192 ** 3 if name.startswith("gemm") else flops
+                work = GEMM_FLOP if name == GEMM else flops
                 rate = lambda ms: work / (statistics.median(ms) / 1e3) / 1e12
                 torch.cuda.synchronize()
                 time.sleep(3)

@@ -58,6 +58,27 @@ def run_stretch(fn, seconds, settle):
     return calls, time.perf_counter() - t0, samples
 
 
+GEMM = "gemm 8192^3"
+GEMM_FLOP = 2 * 8192 ** 3
+
+
+def graph_replays(cell, inp, impls):
+    """{name: CUDA-graph replay} of each implementation in ``impls`` (fast-sm90 or a bench peer;
+    one that does not run here is reported and left out), then a dense GEMM 8192^3
+    (torch.matmul, ``GEMM``) for scale."""
+    fns = {}
+    for name in impls:
+        try:
+            r = B.dualattn_runner(sm90.FORWARD, inp) if name == "fast-sm90" else B.peer_runner(name, inp)
+            r.fn()
+            fns[name] = B.cuda_graph_replay(r.fn)
+        except Exception as e:  # a peer missing here
+            print(f"{cell.label()} {name}: {type(e).__name__}: {e}")
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    fns[GEMM] = lambda: torch.matmul(x, x)
+    return fns
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--impls", default="fast-sm90,fa4,cudnn")
@@ -90,14 +111,7 @@ def main():
     for cell in cells:
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
-        fns = {}
-        for name in a.impls.split(","):
-            try:
-                r = B.dualattn_runner(sm90.FORWARD, inp) if name == "fast-sm90" else B.peer_runner(name, inp)
-                r.fn()
-                fns[name] = B.cuda_graph_replay(r.fn)
-            except Exception as e:  # a peer missing here
-                print(f"{cell.label()} {name}: {type(e).__name__}: {e}")
+        fns = graph_replays(cell, inp, a.impls.split(","))
         for knob in a.knob:
             saved = [set_knob(part) for part in knob.split("+")]
             sm90.FORWARD._entries.clear()
@@ -107,8 +121,6 @@ def main():
             for undo in reversed(saved):
                 undo()
             sm90.FORWARD._entries.clear()
-        x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-        fns["gemm 8192^3"] = lambda: torch.matmul(x, x)
         stats = {n: [0, 0.0, []] for n in fns}
         names = list(fns)
         for r in range(a.rounds):
@@ -118,7 +130,7 @@ def main():
                 stats[n][1] += secs
                 stats[n][2] += samples
         for n, (calls, secs, samples) in stats.items():
-            work = 2 * 8192 ** 3 if n.startswith("gemm") else flops
+            work = GEMM_FLOP if n == GEMM else flops
             tflops = work * calls / secs / 1e12
             watts = statistics.mean(w for w, _ in samples)
             mhz = statistics.mean(c for _, c in samples)

@@ -530,11 +530,12 @@ class FastSm90Forward:
         and each Q K^T reads only K from shared memory, a fifth less shared-memory traffic per key
         block at hd128. At the 700 W limit that is energy: H200, ci/power_probe.py, hd128 16k
         non-causal 653.1 / 653.0 -> 671.8 / 671.3 TFLOP/s (0.946 -> 0.972 TFLOP/J, two runs; FA4
-        664.7), causal level (618.2 / 618.6 -> 620.9 / 619.3); at the full clock (graph A/B) the
-        short cells moved by -2..+1 % (docs section 29). Plain non-causal batched calls (no window,
-        key ranges or CSR) in 128-row tiles at D <= 128: Q adds D / 4 registers per thread, which
-        the 3-warpgroup tiles (160 registers) spill, and the varlen kernel (20 bytes at hd128). DUALATTN_SM90_Q_REGS=0 turns it off, =1 on for
-        every 128-row tile at D <= 128 (comparisons; the worker suite passes either way)."""
+        664.7), causal level (618.2 / 618.6 -> 620.9 / 619.3); at the full clock (graph A/B, one
+        run) -2 % to +1.6 %, within that A/B's noise (docs section 29). Plain non-causal batched
+        calls (no window, key ranges or CSR) in 128-row tiles at D <= 128: Q adds D / 4 registers
+        per thread, which the 3-warpgroup tiles (160 registers) spill, and the varlen kernel (20
+        bytes at hd128). DUALATTN_SM90_Q_REGS=0 turns it off, =1 on for every 128-row tile at
+        D <= 128 (comparisons; the worker suite passes either way)."""
         if _Q_REGS_ENV == "0" or spec.head_dim > 128 or cls.config(spec)[0] != 128:
             return False
         plain = not spec.causal and spec.window == (-1, -1) and not spec.has_key_ranges \
