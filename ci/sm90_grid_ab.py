@@ -29,6 +29,10 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                                # default, on causal hd64 from 4k
     python ci/sm90_grid_ab.py q_regs       # Q K^T with Q from registers (default on plain non-causal
                                            # 128-row tiles) against from shared memory
+    python ci/sm90_grid_ab.py pass_empty_wg   # warpgroups with no row in the sequence pass their
+                                              # blocks (and the rotated order) against computing
+                                              # them, on the dense / GQA cells, the documents and
+                                              # shapes whose last query tile leaves one empty
     python ci/sm90_grid_ab.py tile_info    # tile coordinates from the producer against each
                                            # consumer decoding them (branch wip/tile-info-smem)
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
@@ -65,6 +69,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "bit_mask": ("_BIT_MASK_ENV", "0", "compare masks"),
          "tile_info": ("_TILE_INFO_ENV", "0", "consumers decode"),
          "q_regs": ("_Q_REGS_ENV", "0", "Q from shared memory"),
+         "pass_empty_wg": ("_PASS_EMPTY_WG_ENV", "0", "empty warpgroups compute"),
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 
@@ -149,6 +154,12 @@ def main(knob: str, tiles: str = ""):
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], seqlens=[1024, 2048, 4096])
     elif knob in ("reduce_chains", "q_regs"):  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])
+    elif knob == "pass_empty_wg":  # 1088 = 8.5 tiles of 128 rows: the last one's second
+        # warpgroup is empty (ping-pong at hd128, not at hd256; causal pairs)
+        cells = B.filter_cells(fwd, groups=["dense", "gqa", "docs"])
+        cells += [B.Cell("fwd", "dense", 16, 1088, 1088, 16, 16, 128),
+                  B.Cell("fwd", "dense", 16, 1088, 1088, 16, 16, 128, causal=True),
+                  B.Cell("fwd", "dense", 16, 1088, 1088, 8, 8, 256)]
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
         wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
         cells = wide + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in wide]

@@ -30,8 +30,8 @@ def _spec(d=128, causal=False, dtype=torch.bfloat16, sq=1000, sk=1000, **kw):
     return AttentionSpec("batched", 2, sq, sk, 8, 2, d, kw.pop("dv", d), dtype, "cuda", causal=causal, **kw)
 
 
-def _loops_with(ptx: str, needle: str) -> int:
-    """Number of backward branches whose loop body contains ``needle``."""
+def _loops_with(ptx: str, needle: str, without: str = "") -> int:
+    """Number of backward branches whose loop body contains ``needle`` (and not ``without``)."""
     lines = ptx.splitlines()
     labels = {}
     found = 0
@@ -41,7 +41,8 @@ def _loops_with(ptx: str, needle: str) -> int:
             labels[m.group(1)] = i
         m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", ln)
         if m and m.group(1) in labels and labels[m.group(1)] < i:
-            if any(needle in x for x in lines[labels[m.group(1)]:i]):
+            body = lines[labels[m.group(1)]:i]
+            if any(needle in x for x in body) and not (without and any(without in x for x in body)):
                 found += 1
     return found
 
@@ -92,11 +93,12 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, True, False, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1,
-                   True, "sm_90a")
+                   False, False, False, False, True, True, False, True, 1, False, False, 8.0, False, L2_SECTION_BYTES,
+                   1, True, "sm_90a")
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
-    # FastSm90Forward.q_regs, index 20)
+    # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
+    # blocks: FastSm90Forward.pass_empty_wg, index 21)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -890,8 +892,10 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     measured slower); never for key ranges / CSR / non-right-bounded ones. Ping-pong configs
     (D <= 128) have it only with DUALATTN_SM90_WG_KEY_BOUND=1 (measured neutral); =0 turns it
     off everywhere. It is its own compile key; on, the kernel assembles for sm_90a with one more
-    key-block loop: the hidden blocks' pass (mbarrier waits, no wgmma)."""
+    key-block loop: the hidden blocks' pass (mbarrier waits, no wgmma; the same loop as
+    pass_empty_wg's, which is off here)."""
     import dualattn.fast.sm90 as sm90
+    monkeypatch.setattr(sm90, "_PASS_EMPTY_WG_ENV", "0")
     on_specs = [_spec(256, True, sq=2048, sk=2048), _spec(192, True, sq=1000, sk=1300),
                 _spec(192, True, sq=8192, sk=8192),
                 _spec(256, False, sq=1000, sk=1000, window=(-1, 37))]
@@ -913,6 +917,32 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     ptx_off = FORWARD.compile_only(on_specs[0], arch=90).__ptx__
     assert _loops_with(ptx_on, "mbarrier.try_wait") > _loops_with(ptx_off, "mbarrier.try_wait")
     assert _loops_with(ptx_on, "wgmma.mma_async") == _loops_with(ptx_off, "wgmma.mma_async")
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_empty_warpgroups_pass_their_blocks_where_the_loop_is_plain(monkeypatch):
+    """FastSm90Forward.pass_empty_wg: on for every config with the plain key-block loops (not key
+    ranges or CSRs, which have their own); its own compile-key field (index 21); on, the hd64
+    192-row kernel has one more key-block loop that waits on barriers and issues no wgmma (the
+    pass)."""
+    import dualattn.fast.sm90 as sm90
+    hd64 = _spec(64, sq=1024, sk=1024)
+    assert FastSm90Forward.config(hd64)[0] == 192
+    varlen = AttentionSpec("varlen", 3, 1000, 1000, 8, 2, 128, 128, torch.bfloat16, "cuda", causal=True)
+    on = [hd64, _spec(128, True), _spec(256), varlen]
+    assert all(FastSm90Forward.pass_empty_wg(s) for s in on)
+    assert not FastSm90Forward.pass_empty_wg(_spec(128, num_key_ranges=1))
+    key_on = FORWARD.compile_key(hd64, 90)
+    assert key_on[21] is True
+    ptx_on = FORWARD.compile_only(hd64, arch=90).__ptx__
+    monkeypatch.setattr(sm90, "_PASS_EMPTY_WG_ENV", "0")
+    assert not any(FastSm90Forward.pass_empty_wg(s) for s in on)
+    assert FORWARD.compile_key(hd64, 90) != key_on
+    ptx_off = FORWARD.compile_only(hd64, arch=90).__ptx__
+    passes_on = _loops_with(ptx_on, "mbarrier.try_wait", without="wgmma.mma_async")
+    assert passes_on > _loops_with(ptx_off, "mbarrier.try_wait", without="wgmma.mma_async")
+    assert _loops_with(ptx_on, "wgmma.mma_async") >= 1
 
 
 @pytest.mark.compile_only

@@ -136,6 +136,21 @@ _case("wgkb", 2, 700, 650, 4, 2, 128, "float16", False, "0", wg_key_bound="1", w
 _case("wgkb", 2, 37, 300, 16, 4, 128, "bfloat16", True, wg_key_bound="1")  # packed GQA rows
 _case("wgkb", 1, 8200, 8200, 2, 2, 256, "bfloat16", True, wg_key_bound="1")  # 80-key tiles
 _case("wgkb", 2, 1000, 1000, 4, 2, 256, "bfloat16", True, wg_key_bound="0")
+# warpgroups with no row in the sequence pass their key blocks (FastSm90Forward.pass_empty_wg):
+# 192-row tiles with one or two empty warpgroups, with the query blocks rotated by round (grids
+# that are a multiple of the block count), with stream-K cuts, 128-row tiles whose second
+# warpgroup is empty (ping-pong, causal pairs, hd256 without ping-pong, packed GQA rows), and the
+# same shapes computed in full for comparison
+_case("emptywg", 2, 1024, 1024, 4, 4, 64, num_sms=6)               # 6 blocks, last 64 rows
+_case("emptywg", 1, 2048, 2048, 5, 5, 64, num_sms=22)              # 11 blocks, stream-K tail
+_case("emptywg", 2, 1090, 1000, 4, 2, 128, num_sms=9)              # 9 blocks, last 66 rows
+_case("emptywg", 2, 1050, 1050, 4, 4, 128, "bfloat16", True)
+_case("emptywg", 2, 1050, 1000, 4, 4, 64, "float16", True, "1", num_sms=5)
+_case("emptywg", 1, 1090, 1090, 4, 4, 256)
+_case("emptywg", 2, 1090, 1090, 2, 2, 256, "bfloat16", True, window=(300, 0))
+_case("emptywg", 2, 8, 700, 32, 8, 128, "bfloat16", False, num_sms=4)  # 32 packed rows of 128
+_case("emptywg-off", 2, 1024, 1024, 4, 4, 64, num_sms=6, pass_empty_wg="0")
+_case("emptywg-off", 2, 1050, 1050, 4, 4, 128, "bfloat16", True, pass_empty_wg="0")
 # the paired order's tail as single tiles (tile_order.split_tail_tile; FastSm90Forward.split_tail):
 # stream-K off, small grids (num_sms) so small shapes have a partly filled last round; odd query
 # block counts (two heads' middle blocks make a unit; a lone last head's middle alone), bottom-right
@@ -479,6 +494,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._STREAM_K_ENV = kw.pop("stream_k", "")
             sm90._WG_KEY_BOUND_ENV = kw.pop("wg_key_bound", "")
             sm90._SPLIT_TAIL_ENV = kw.pop("split_tail", "")
+            sm90._PASS_EMPTY_WG_ENV = kw.pop("pass_empty_wg", "")
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
             sm90.FORWARD._entries.clear()
@@ -525,7 +541,7 @@ def _run_worker(out_path: str, group: str) -> None:
             f.write(json.dumps(rec) + "\n")
             f.flush()
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
-        sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = ""
+        sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = sm90._PASS_EMPTY_WG_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
             if _in_group(case[0], group):

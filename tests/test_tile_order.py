@@ -5,6 +5,7 @@ import pytest
 
 from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_tile,
+                                              rotated_m_block,
                                               paired_unit_blocks, paired_units, split_tail_groups,
                                               split_tail_plan, split_tail_slots, split_tail_tile,
                                               stream_k_piece, stream_k_tiles,
@@ -24,6 +25,32 @@ def test_every_tile_once_heaviest_first_within_sections(num_m_blocks, num_bh, se
     for s in set(sections):
         ms = [m for (m, bh), sec in zip(order, sections) if sec == s]
         assert ms == sorted(ms, reverse=True)
+
+
+@pytest.mark.parametrize("num_m_blocks, num_bh, num_ctas", [
+    (6, 512, 132), (11, 256, 132), (22, 128, 132), (6, 7, 6), (3, 5, 9), (8, 256, 132),
+    (86, 2, 132), (5, 40, 132), (1, 300, 132), (6, 1, 132)])
+def test_rotated_query_blocks_cover_every_tile_and_spread_the_last(num_m_blocks, num_bh, num_ctas):
+    """A bijection that keeps a head's tiles together; where the grid is a multiple of the block
+    count, every CTA's share of the last (lightest) block is within one of the others'; other
+    grids keep the plain order (query block = tile mod blocks)."""
+    n = num_m_blocks * num_bh
+    ms = [rotated_m_block(t, num_m_blocks, num_ctas, min) for t in range(n)]
+    order = [(m, t // num_m_blocks) for t, m in zip(range(n), ms)]
+    assert sorted(order) == sorted((m, bh) for bh in range(num_bh) for m in range(num_m_blocks))
+    if num_ctas % num_m_blocks:
+        assert ms == [t % num_m_blocks for t in range(n)]
+        return
+    last = [0] * num_ctas
+    for t, m in enumerate(ms):
+        last[t % num_ctas] += m == num_m_blocks - 1
+    assert max(last) - min(last) <= 1
+    plain = [0] * num_ctas
+    for t in range(n):
+        plain[t % num_ctas] += t % num_m_blocks == num_m_blocks - 1
+    # (the plain order gave the 132 / 6 = 22 CTAs of hd64 1k every last block, the rest none)
+    if num_m_blocks > 1 and n > num_ctas:
+        assert max(plain) - min(plain) > 1
 
 
 def test_one_section_is_heaviest_first_across_all_heads():

@@ -47,6 +47,20 @@ def heavy_first_in_sections(tile, num_m_blocks, num_bh, section_heads, minimum):
     return m_block, bh
 
 
+def rotated_m_block(tile, num_m_blocks, num_ctas, minimum):
+    """Query block of linear tile ``tile`` in the non-causal order (query block fastest: the CTAs
+    of one round share heads' K / V in L2). On a persistent grid CTA c runs tiles c, c + G, ...;
+    where G is a multiple of the block count every one of them has the same query block, so the
+    CTAs holding the last, partly filled one (hd64's 192-row tiles at 1k queries: 64 rows, two
+    of three warpgroups idle) would run only those. There each round turns the blocks by one, so
+    every CTA takes the last block once in ``num_m_blocks`` rounds; the tiles of a head still
+    lie in one round, so it stays a bijection. Other grids cycle through the blocks already and
+    keep the plain order. Plain integer arithmetic (``minimum``: min, or cutlass.min in the
+    kernel with Int32 operands)."""
+    aligned = 1 - minimum(num_ctas % num_m_blocks, 1)  # 1 where G is a multiple of the blocks
+    return (tile % num_m_blocks + aligned * (tile // num_ctas)) % num_m_blocks
+
+
 def _pair_groups(num_m_blocks):
     """(pairs per head, heads per group, units per group) of the paired order. An even count of
     query blocks pairs within each head (a group is one head); an odd count leaves each head a

@@ -59,6 +59,7 @@ _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90
 _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forward.bit_mask
 _TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
 _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs
+_PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .pass_empty_wg
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -381,7 +382,8 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
-                self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec),
+                self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -541,6 +543,18 @@ class FastSm90Forward:
         plain = not spec.causal and spec.window == (-1, -1) and not spec.has_key_ranges \
             and not spec.has_block_sparse and spec.mode == "batched"
         return plain or _Q_REGS_ENV == "1"
+
+    @staticmethod
+    def pass_empty_wg(spec) -> bool:
+        """A consumer warpgroup with no row inside the sequence passes the tile's key blocks
+        (FlashFwdSm90.pass_empty_wg), and non-causal tiles on a persistent grid that is a multiple
+        of the query block count rotate their query block by the round
+        (tile_order.rotated_m_block), so the lighter last blocks spread over all CTAs. hd64 at 1k
+        queries runs 6 query blocks of 192 rows, the last with 64: two warpgroups of every sixth
+        tile computed rows nobody stores, and on 132 SMs the same 22 CTAs ran all of them.
+        Every config with the intra-warpgroup overlap, except key ranges and CSRs (their own
+        visit loops). DUALATTN_SM90_PASS_EMPTY_WG=0 turns it off (comparisons)."""
+        return not (spec.has_key_ranges or spec.has_block_sparse) and _PASS_EMPTY_WG_ENV != "0"
 
     @staticmethod
     def tile_info(spec) -> bool:
@@ -736,7 +750,7 @@ class FastSm90Forward:
                             reduce_chains=self.reduce_chains(spec),
                             wg_key_bound=self.wg_key_bound(spec), split_tail=self.split_tail(spec),
                             bit_mask=self.bit_mask(spec), tile_info=self.tile_info(spec),
-                            q_regs=self.q_regs(spec))
+                            q_regs=self.q_regs(spec), pass_empty_wg=self.pass_empty_wg(spec))
 
     @staticmethod
     def arg_schema(spec):

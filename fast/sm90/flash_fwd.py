@@ -50,7 +50,8 @@ from dualattn.fast.common.softmax import merge_scales, mul_rn, tree_reduce
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_slot,
-                                              paired_tile, paired_units, split_tail_slots,
+                                              paired_tile, paired_units, rotated_m_block,
+                                              split_tail_slots,
                                               split_tail_tile, stream_k_piece,
                                               tile_share)
 from dualattn.fast.common.mask import (
@@ -176,7 +177,8 @@ class FlashFwdSm90:
                  rescale_threshold: float = 0.0, rescale_before_pv: bool = False,
                  varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
                  reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False,
-                 bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False):
+                 bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False,
+                 pass_empty_wg: bool = False):
         self.dtype = dtype
         # Q K^T with Q from registers (RS wgmma; Q copied from shared memory by ldmatrix once
         # per tile) instead of from shared memory (SS): each Q K^T then reads only K from shared
@@ -281,6 +283,14 @@ class FlashFwdSm90:
         assert not wg_key_bound or (self.mask_right and not (self.dynamic_mask or stream_k)
                                     and overlap)
         self.wg_key_bound = wg_key_bound
+        # a consumer warpgroup whose 64 rows all lie past the sequence's end (in a last query
+        # tile: hd64's 192-row tiles at 1k queries leave two of three warpgroups so) passes the
+        # tile's key blocks instead of computing rows nobody stores, taking its turns of the ring
+        # as wg_key_bound does. Non-causal batched tiles are then not of equal work, so their
+        # order rotates the query block by the round where the grid would otherwise pin the
+        # last query block to the same CTAs (tile_order.rotated_m_block)
+        assert not pass_empty_wg or (overlap and not self.dynamic_mask)
+        self.pass_empty_wg = pass_empty_wg
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
@@ -733,12 +743,17 @@ class FlashFwdSm90:
                              self.tile_n)
 
     @cute.jit
-    def pass_block(self, ctx, kv_state):
+    def pass_block(self, ctx, kv_state, turn):
         """Consume a key block's K and V stages without using them (a block hidden from this
-        warpgroup's rows). The waits are needed: a release before the stage's fill could be
-        counted into the previous use of that stage while another warpgroup still reads it."""
+        warpgroup's rows), taking a turn of the ping-pong ring between them where ``turn``. The
+        waits are needed: a release before the stage's fill could be counted into the previous
+        use of that stage while another warpgroup still reads it."""
         ctx.pipe_k.consumer_wait(kv_state)
         ctx.pipe_k.consumer_release(kv_state)
+        if const_expr(self.pingpong):
+            if turn:
+                self.sched_sync(ctx)
+                self.sched_arrive(ctx)
         ctx.pipe_v.consumer_wait(kv_state)
         ctx.pipe_v.consumer_release(kv_state)
         kv_state.advance()
@@ -775,6 +790,8 @@ class FlashFwdSm90:
         num_heads = cute.size(mQ.shape[2])
         m_block = tile % num_m_blocks
         rest = tile // num_m_blocks
+        if const_expr(self.pass_empty_wg and self.persistent and not (self.mask_right or self.varlen)):
+            m_block = rotated_m_block(tile, num_m_blocks, cute.arch.grid_dim()[0], cutlass.min)
         active = Boolean(True)
         if const_expr(self.mask_right):
             hb = num_heads * num_batch
@@ -1159,22 +1176,26 @@ class FlashFwdSm90:
                 else:
                     # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
                     # together while the softmax of S_{j+1} runs on the CUDA cores
-                    if const_expr(self.wg_key_bound):
-                        # the top blocks hidden from this warpgroup's rows are right-masked
-                        # blocks of the tile (hidden from its first row too): passed, not computed
-                        n_hidden = cutlass.min(cutlass.max(
-                            n_block_max - self.wg_key_block_end(m_block, wg, seqlen_q, seqlen_k,
-                                                                win_right), 0), n_masked)
+                    if const_expr(self.wg_key_bound or self.pass_empty_wg):
+                        n_hidden = Int32(0)
+                        if const_expr(self.wg_key_bound):
+                            # the top blocks hidden from this warpgroup's rows are right-masked
+                            # blocks of the tile (hidden from its first row too): passed, not
+                            # computed
+                            n_hidden = cutlass.min(cutlass.max(
+                                n_block_max - self.wg_key_block_end(m_block, wg, seqlen_q, seqlen_k,
+                                                                    win_right), 0), n_masked)
+                        if const_expr(self.pass_empty_wg):
+                            if m_block * BM + 64 * wg >= seqlen_q:  # no row of it is stored
+                                n_hidden = n_blocks
+                        # every warpgroup takes n_blocks - 1 turns of the ring per tile (one per
+                        # overlapped block): one per passed block, past the first where it passes
+                        # them all. Each turn right after its block's K, as a computed block takes
+                        # it: the others release a stage only in their turns, so a warpgroup that
+                        # waited for more stages before taking its turns would deadlock the ring
+                        first_turn = n_hidden - cutlass.min(n_hidden, cutlass.max(n_blocks - 1, 0))
                         for i in cutlass.range(n_hidden, unroll=1):
-                            kv_state = self.pass_block(ctx, kv_state)
-                        if const_expr(self.pingpong):
-                            # every warpgroup takes n_blocks - 1 turns of the ring per tile (one
-                            # per overlapped block): those of its passed blocks come first, so
-                            # the next warpgroup's GEMMs go ahead at once
-                            for i in cutlass.range(cutlass.min(n_hidden, cutlass.max(n_blocks - 1, 0)),
-                                                   unroll=1):
-                                self.sched_sync(ctx)
-                                self.sched_arrive(ctx)
+                            kv_state = self.pass_block(ctx, kv_state, i >= first_turn)
                         n_block_max = n_block_max - n_hidden
                         n_blocks = n_blocks - n_hidden
                         n_masked = n_masked - n_hidden
