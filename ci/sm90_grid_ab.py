@@ -29,10 +29,12 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                                # default, on causal hd64 from 4k
     python ci/sm90_grid_ab.py q_regs       # Q K^T with Q from registers (default on plain non-causal
                                            # 128-row tiles) against from shared memory
-    python ci/sm90_grid_ab.py pass_empty_wg   # warpgroups with no row in the sequence pass their
-                                              # blocks (and the rotated order) against computing
-                                              # them, on the dense / GQA cells, the documents and
-                                              # shapes whose last query tile leaves one empty
+    python ci/sm90_grid_ab.py pass_empty_wg [0|pass]   # warpgroups with no row in the sequence
+                                              # pass their blocks, in the rotated order, against
+                                              # computing them (0) or passing them in the plain
+                                              # order (pass), on the dense / GQA cells, the
+                                              # documents and shapes whose last query tile leaves
+                                              # one empty
     python ci/sm90_grid_ab.py tile_info    # tile coordinates from the producer against each
                                            # consumer decoding them (branch wip/tile-info-smem)
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
@@ -69,7 +71,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "bit_mask": ("_BIT_MASK_ENV", "0", "compare masks"),
          "tile_info": ("_TILE_INFO_ENV", "0", "consumers decode"),
          "q_regs": ("_Q_REGS_ENV", "0", "Q from shared memory"),
-         "pass_empty_wg": ("_PASS_EMPTY_WG_ENV", "0", "empty warpgroups compute"),
+         "pass_empty_wg": ("_PASS_EMPTY_WG_ENV", None, "empty warpgroups"),  # 0 or pass
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
 
 
@@ -158,8 +160,13 @@ def main(knob: str, tiles: str = ""):
         # warpgroup is empty (ping-pong at hd128, not at hd256; causal pairs)
         cells = B.filter_cells(fwd, groups=["dense", "gqa", "docs"])
         cells += [B.Cell("fwd", "dense", 16, 1088, 1088, 16, 16, 128),
+                  B.Cell("fwd", "dense", 16, 1088, 1024, 16, 16, 128),  # no masked key tail
                   B.Cell("fwd", "dense", 16, 1088, 1088, 16, 16, 128, causal=True),
                   B.Cell("fwd", "dense", 16, 1088, 1088, 8, 8, 256)]
+        # 64 query rows against 4k keys: every tile has one warpgroup's rows only (what a
+        # warpgroup computing alone costs)
+        cells += [B.Cell("fwd", "dense", 33, 64, 4096, 16, 16, 128),
+                  B.Cell("fwd", "dense", 33, 64, 4096, 32, 32, 64)]
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
         wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
         cells = wide + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in wide]

@@ -93,12 +93,13 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, True, False, True, 1, False, False, 8.0, False, L2_SECTION_BYTES,
+                   False, False, False, False, True, True, False, 2, 1, False, False, 8.0, False, L2_SECTION_BYTES,
                    1, True, "sm_90a")
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
-    # blocks: FastSm90Forward.pass_empty_wg, index 21)
+    # blocks, FastSm90Forward.pass_empty_wg, and non-causal query blocks turn by round,
+    # .rotate_m_blocks: their sum, index 21)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -923,7 +924,8 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
 @pytest.mark.timeout(300)
 def test_empty_warpgroups_pass_their_blocks_where_the_loop_is_plain(monkeypatch):
     """FastSm90Forward.pass_empty_wg: on for every config with the plain key-block loops (not key
-    ranges or CSRs, which have their own); its own compile-key field (index 21); on, the hd64
+    ranges or CSRs, which have their own); its own compile-key field (index 21, with the turned
+    order of rotate_m_blocks); on, the hd64
     192-row kernel has one more key-block loop that waits on barriers and issues no wgmma (the
     pass)."""
     import dualattn.fast.sm90 as sm90
@@ -934,7 +936,9 @@ def test_empty_warpgroups_pass_their_blocks_where_the_loop_is_plain(monkeypatch)
     assert all(FastSm90Forward.pass_empty_wg(s) for s in on)
     assert not FastSm90Forward.pass_empty_wg(_spec(128, num_key_ranges=1))
     key_on = FORWARD.compile_key(hd64, 90)
-    assert key_on[21] is True
+    assert key_on[21] == 2  # passes, and the turned order
+    monkeypatch.setattr(sm90, "_PASS_EMPTY_WG_ENV", "pass")
+    assert FORWARD.compile_key(hd64, 90)[21] == 1 and not FORWARD.make_kernel(hd64).rotate_m_blocks
     ptx_on = FORWARD.compile_only(hd64, arch=90).__ptx__
     monkeypatch.setattr(sm90, "_PASS_EMPTY_WG_ENV", "0")
     assert not any(FastSm90Forward.pass_empty_wg(s) for s in on)

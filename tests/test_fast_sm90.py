@@ -146,6 +146,7 @@ _case("emptywg", 1, 2048, 2048, 5, 5, 64, num_sms=22)              # 11 blocks, 
 _case("emptywg", 2, 1090, 1000, 4, 2, 128, num_sms=9)              # 9 blocks, last 66 rows
 _case("emptywg", 2, 1050, 1050, 4, 4, 128, "bfloat16", True)
 _case("emptywg", 2, 1050, 1000, 4, 4, 64, "float16", True, "1", num_sms=5)
+_case("emptywg", 2, 1090, 1090, 4, 4, 128, num_sms=6)               # gcd(6, 9) = 3: turns every 3 rounds
 _case("emptywg", 1, 1090, 1090, 4, 4, 256)
 _case("emptywg", 2, 1090, 1090, 2, 2, 256, "bfloat16", True, window=(300, 0))
 _case("emptywg", 2, 8, 700, 32, 8, 128, "bfloat16", False, num_sms=4)  # 32 packed rows of 128

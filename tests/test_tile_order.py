@@ -1,11 +1,13 @@
 """The causal tile order of fast/common/tile_order (CPU: the same arithmetic the kernels trace)."""
 from __future__ import annotations
 
+from math import gcd
+
 import pytest
 
 from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_tile,
-                                              rotated_m_block,
+                                              rotated_m_block, rotation_window,
                                               paired_unit_blocks, paired_units, split_tail_groups,
                                               split_tail_plan, split_tail_slots, split_tail_tile,
                                               stream_k_piece, stream_k_tiles,
@@ -29,28 +31,32 @@ def test_every_tile_once_heaviest_first_within_sections(num_m_blocks, num_bh, se
 
 @pytest.mark.parametrize("num_m_blocks, num_bh, num_ctas", [
     (6, 512, 132), (11, 256, 132), (22, 128, 132), (6, 7, 6), (3, 5, 9), (8, 256, 132),
-    (86, 2, 132), (5, 40, 132), (1, 300, 132), (6, 1, 132)])
+    (86, 2, 132), (5, 40, 132), (1, 300, 132), (6, 1, 132), (9, 256, 132), (9, 7, 6), (20, 64, 132)])
 def test_rotated_query_blocks_cover_every_tile_and_spread_the_last(num_m_blocks, num_bh, num_ctas):
-    """A bijection that keeps a head's tiles together; where the grid is a multiple of the block
-    count, every CTA's share of the last (lightest) block is within one of the others'; other
-    grids keep the plain order (query block = tile mod blocks)."""
+    """A bijection that keeps a head's tiles together; every CTA holds the last (lightest) query
+    block equally often in each cycle of G x blocks tiles (within 2 of the others overall),
+    where the plain order gave it to the CTAs congruent to blocks - 1 modulo gcd(G, blocks)
+    alone."""
     n = num_m_blocks * num_bh
-    ms = [rotated_m_block(t, num_m_blocks, num_ctas, min) for t in range(n)]
+    window = rotation_window(num_m_blocks, num_ctas)
+    assert window % num_m_blocks == 0 and window % num_ctas == 0
+    ms = [rotated_m_block(t, num_m_blocks, window) for t in range(n)]
     order = [(m, t // num_m_blocks) for t, m in zip(range(n), ms)]
     assert sorted(order) == sorted((m, bh) for bh in range(num_bh) for m in range(num_m_blocks))
-    if num_ctas % num_m_blocks:
-        assert ms == [t % num_m_blocks for t in range(n)]
-        return
     last = [0] * num_ctas
+    plain = [0] * num_ctas
     for t, m in enumerate(ms):
         last[t % num_ctas] += m == num_m_blocks - 1
-    assert max(last) - min(last) <= 1
-    plain = [0] * num_ctas
-    for t in range(n):
         plain[t % num_ctas] += t % num_m_blocks == num_m_blocks - 1
-    # (the plain order gave the 132 / 6 = 22 CTAs of hd64 1k every last block, the rest none)
-    if num_m_blocks > 1 and n > num_ctas:
-        assert max(plain) - min(plain) > 1
+    cycle = num_ctas * num_m_blocks  # gcd(G, blocks) windows: every CTA through every block
+    whole = n - n % cycle  # the tiles of whole cycles are shared exactly evenly
+    assert len({sum(ms[t] == num_m_blocks - 1 for t in range(c, whole, num_ctas))
+                for c in range(num_ctas)}) <= 1
+    if n >= cycle:
+        assert max(last) - min(last) <= 2
+    if gcd(num_ctas, num_m_blocks) > 1 and num_m_blocks > 1 and n >= cycle:
+        # (the plain order gave the 132 / 6 = 22 CTAs of hd64 1k every last block, the rest none)
+        assert min(plain) == 0 and min(last) > 0
 
 
 def test_one_section_is_heaviest_first_across_all_heads():

@@ -13,6 +13,7 @@ kernel (Int32 operands, ``minimum=cutlass.min``) and in the CPU tests (Python in
 """
 from __future__ import annotations
 
+import math
 import os
 
 # K + V bytes of the heads whose tiles run together. H100/H200 have 50 / 60 MB of L2. Measured on
@@ -47,18 +48,28 @@ def heavy_first_in_sections(tile, num_m_blocks, num_bh, section_heads, minimum):
     return m_block, bh
 
 
-def rotated_m_block(tile, num_m_blocks, num_ctas, minimum):
+def rotation_window(num_m_blocks, num_ctas):
+    """Tiles between two turns of rotated_m_block: lcm(G, blocks), the tiles after which every
+    CTA has been through all the query blocks that its stride reaches (host side; the kernel
+    computes the same by Euclid's algorithm, FlashFwdSm90.rotation_window)."""
+    return num_ctas * num_m_blocks // math.gcd(num_ctas, num_m_blocks)
+
+
+def rotated_m_block(tile, num_m_blocks, window):
     """Query block of linear tile ``tile`` in the non-causal order (query block fastest: the CTAs
-    of one round share heads' K / V in L2). On a persistent grid CTA c runs tiles c, c + G, ...;
-    where G is a multiple of the block count every one of them has the same query block, so the
-    CTAs holding the last, partly filled one (hd64's 192-row tiles at 1k queries: 64 rows, two
-    of three warpgroups idle) would run only those. There each round turns the blocks by one, so
-    every CTA takes the last block once in ``num_m_blocks`` rounds; the tiles of a head still
-    lie in one round, so it stays a bijection. Other grids cycle through the blocks already and
-    keep the plain order. Plain integer arithmetic (``minimum``: min, or cutlass.min in the
-    kernel with Int32 operands)."""
-    aligned = 1 - minimum(num_ctas % num_m_blocks, 1)  # 1 where G is a multiple of the blocks
-    return (tile % num_m_blocks + aligned * (tile // num_ctas)) % num_m_blocks
+    of one round share heads' K / V in L2), turned by one every ``window`` tiles
+    (rotation_window). On a persistent grid CTA c runs tiles c, c + G, ..., whose plain query
+    blocks c + k G (mod blocks) reach only the blocks congruent to c modulo gcd(G, blocks): where
+    that gcd is above 1, only some CTAs ever hold the last, partly filled block (hd64's 192-row
+    tiles at 1k queries: 6 blocks on 132 SMs, the last with 64 rows, two of three warpgroups
+    idle; hd128 at 1088 queries: 9 blocks, gcd 3), and with its empty warpgroups passed those
+    CTAs would idle while the others still run full tiles. Turning the blocks by one each time
+    the strides have cycled moves every CTA on to the next residue, so each holds the last block
+    once in every ``blocks`` of its tiles. A window is a multiple of the block count, so the
+    tiles of a head stay together and it stays a bijection; where gcd(G, blocks) = 1 the plain
+    order spreads the blocks already and the turns change nothing that matters. Plain integer
+    arithmetic (CPU model and kernel)."""
+    return (tile % num_m_blocks + tile // window) % num_m_blocks
 
 
 def _pair_groups(num_m_blocks):

@@ -382,7 +382,7 @@ class FastSm90Forward:
         name += f"_pack{g}" if g > 1 else ""
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
-                self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec),
+                self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
                 self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
@@ -553,8 +553,14 @@ class FastSm90Forward:
         queries runs 6 query blocks of 192 rows, the last with 64: two warpgroups of every sixth
         tile computed rows nobody stores, and on 132 SMs the same 22 CTAs ran all of them.
         Every config with the intra-warpgroup overlap, except key ranges and CSRs (their own
-        visit loops). DUALATTN_SM90_PASS_EMPTY_WG=0 turns it off (comparisons)."""
+        visit loops). DUALATTN_SM90_PASS_EMPTY_WG=0 turns it off, =pass keeps the plain order
+        (comparisons)."""
         return not (spec.has_key_ranges or spec.has_block_sparse) and _PASS_EMPTY_WG_ENV != "0"
+
+    @staticmethod
+    def rotate_m_blocks(spec) -> bool:
+        """See pass_empty_wg (the rotated order of its non-causal tiles)."""
+        return _PASS_EMPTY_WG_ENV not in ("0", "pass")
 
     @staticmethod
     def tile_info(spec) -> bool:
@@ -750,7 +756,8 @@ class FastSm90Forward:
                             reduce_chains=self.reduce_chains(spec),
                             wg_key_bound=self.wg_key_bound(spec), split_tail=self.split_tail(spec),
                             bit_mask=self.bit_mask(spec), tile_info=self.tile_info(spec),
-                            q_regs=self.q_regs(spec), pass_empty_wg=self.pass_empty_wg(spec))
+                            q_regs=self.q_regs(spec), pass_empty_wg=self.pass_empty_wg(spec),
+                            rotate_m_blocks=self.rotate_m_blocks(spec))
 
     @staticmethod
     def arg_schema(spec):
