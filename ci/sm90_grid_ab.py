@@ -163,10 +163,11 @@ def main(knob: str, tiles: str = ""):
                   B.Cell("fwd", "dense", 16, 1088, 1024, 16, 16, 128),  # no masked key tail
                   B.Cell("fwd", "dense", 16, 1088, 1088, 16, 16, 128, causal=True),
                   B.Cell("fwd", "dense", 16, 1088, 1088, 8, 8, 256)]
-        # 64 query rows against 4k keys: every tile has one warpgroup's rows only (what a
-        # warpgroup computing alone costs)
-        cells += [B.Cell("fwd", "dense", 33, 64, 4096, 16, 16, 128),
-                  B.Cell("fwd", "dense", 33, 64, 4096, 32, 32, 64)]
+        # 64 query rows against 8k keys of one KV head (MQA, groups of 66 / 132: not a power of
+        # two, so not packed): every tile has one warpgroup's rows only, and K / V come from L2
+        # (what a warpgroup computing alone costs; with a KV head per tile HBM bounds it)
+        cells += [B.Cell("fwd", "gqa", 8, 64, 8192, 66, 1, 128),
+                  B.Cell("fwd", "gqa", 8, 64, 8192, 132, 1, 64)]
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
         wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
         cells = wide + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in wide]
