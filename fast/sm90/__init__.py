@@ -547,19 +547,22 @@ class FastSm90Forward:
     @staticmethod
     def pass_empty_wg(spec) -> bool:
         """A consumer warpgroup with no row inside the sequence passes the tile's key blocks
-        (FlashFwdSm90.pass_empty_wg), and non-causal tiles on a persistent grid that is a multiple
-        of the query block count rotate their query block by the round
-        (tile_order.rotated_m_block), so the lighter last blocks spread over all CTAs. hd64 at 1k
+        (FlashFwdSm90.pass_empty_wg), and non-causal tiles on the persistent grid turn their query
+        block by one every lcm(grid, blocks) tiles where the last block is lighter
+        (tile_order.rotated_m_block), so the light tiles spread over all CTAs. hd64 at 1k
         queries runs 6 query blocks of 192 rows, the last with 64: two warpgroups of every sixth
         tile computed rows nobody stores, and on 132 SMs the same 22 CTAs ran all of them.
-        Every config with the intra-warpgroup overlap, except key ranges and CSRs (their own
-        visit loops). DUALATTN_SM90_PASS_EMPTY_WG=0 turns it off, =pass keeps the plain order
-        (comparisons)."""
+        CUDA-graph A/B (ci/sm90_grid_ab.py pass_empty_wg 0), time with / without: hd64 512 / 1k
+        / 2k 0.952-0.959 / 0.939-0.942 / 0.988-1.004 (H200, H100), hd256 at 1088 queries
+        0.946-0.975, the rest level (docs section 30). Every config with the intra-warpgroup
+        overlap, except key ranges and CSRs (their own visit loops). DUALATTN_SM90_PASS_EMPTY_WG=0
+        turns it off, =pass keeps the plain order (comparisons)."""
         return not (spec.has_key_ranges or spec.has_block_sparse) and _PASS_EMPTY_WG_ENV != "0"
 
     @staticmethod
     def rotate_m_blocks(spec) -> bool:
-        """See pass_empty_wg (the rotated order of its non-causal tiles)."""
+        """The turned order of pass_empty_wg's non-causal tiles (off with =pass: the pass alone
+        gave hd64 1k nothing, since the CTAs that ran the light tiles idled)."""
         return _PASS_EMPTY_WG_ENV not in ("0", "pass")
 
     @staticmethod

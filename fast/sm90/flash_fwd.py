@@ -286,9 +286,10 @@ class FlashFwdSm90:
         # a consumer warpgroup whose 64 rows all lie past the sequence's end (in a last query
         # tile: hd64's 192-row tiles at 1k queries leave two of three warpgroups so) passes the
         # tile's key blocks instead of computing rows nobody stores, taking its turns of the ring
-        # as wg_key_bound does. Non-causal batched tiles are then not of equal work, so their
-        # order rotates the query block by the round where the grid would otherwise pin the
-        # last query block to the same CTAs (tile_order.rotated_m_block)
+        # as wg_key_bound does. Non-causal batched tiles are then not of equal work, so where
+        # the last query block is lighter their order turns the query block by one every
+        # lcm(grid, blocks) tiles (rotate_m_blocks; tile_order.rotated_m_block): with the plain
+        # order a grid sharing a factor with the block count pins the last block to some CTAs
         assert not pass_empty_wg or (overlap and not self.dynamic_mask)
         self.pass_empty_wg = pass_empty_wg
         self.rotate_m_blocks = pass_empty_wg and rotate_m_blocks
