@@ -559,11 +559,11 @@ class FastSm90Forward:
         turns it off, =pass keeps the plain order (comparisons)."""
         return not (spec.has_key_ranges or spec.has_block_sparse) and _PASS_EMPTY_WG_ENV != "0"
 
-    @staticmethod
-    def rotate_m_blocks(spec) -> bool:
+    @classmethod
+    def rotate_m_blocks(cls, spec) -> bool:
         """The turned order of pass_empty_wg's non-causal tiles (off with =pass: the pass alone
         gave hd64 1k nothing, since the CTAs that ran the light tiles idled)."""
-        return _PASS_EMPTY_WG_ENV not in ("0", "pass")
+        return cls.pass_empty_wg(spec) and _PASS_EMPTY_WG_ENV != "pass"
 
     @staticmethod
     def tile_info(spec) -> bool:

@@ -637,14 +637,14 @@ class FlashFwdSm90:
         return n
 
     @cute.jit
-    def item_coords(self, tile, mQ, mK, win_left, win_right, vl=None, sk=None):
+    def item_coords(self, tile, mQ, mK, win_left, win_right, vl=None, sk=None, window=None):
         """tile_coords of loop slot ``tile``, then (cut, cut-tile number). Without
         stream-K a slot is a tile (never cut). With it, the slots past the uncut tiles (a multiple
         of the grid: they end one round before the last) are this CTA's pieces of the cut tiles
         (tile_order.stream_k_piece): its key-block range [start, end) narrows the tile's; a piece
         past the CTA's share is inactive."""
         if const_expr(not self.stream_k):
-            return (*self.tile_coords(tile, mQ, mK, win_left, win_right, vl, split=sk),
+            return (*self.tile_coords(tile, mQ, mK, win_left, win_right, vl, split=sk, window=window),
                     Boolean(False), Int32(0))
         if const_expr(self.paired):
             return self.paired_item_coords(tile, mQ, mK, win_left, win_right, sk)
@@ -663,7 +663,7 @@ class FlashFwdSm90:
                                                      n_blocks, cutlass.max, cutlass.min)
             lin = dp_end + slot
         (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
-         offset_k, active) = self.tile_coords(lin, mQ, mK, win_left, win_right, vl)
+         offset_k, active) = self.tile_coords(lin, mQ, mK, win_left, win_right, vl, window=window)
         n_block_min = cutlass.max(n_block_min, start)
         n_block_max = cutlass.min(n_block_max, end)
         return (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k,
@@ -762,7 +762,8 @@ class FlashFwdSm90:
         return kv_state
 
     @cute.jit
-    def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None, placed=None, split=None):
+    def tile_coords(self, tile, mQ, mK, win_left, win_right, vl=None, placed=None, split=None,
+                    window=None):
         """(m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
         offset_k, active) of a linear tile index; the offsets are the sequence's first row in the
         packed tensors (varlen; 0 otherwise). ``active``: the tile has rows to compute, which
@@ -796,7 +797,9 @@ class FlashFwdSm90:
             # only where the last query block leaves a warpgroup empty (lighter): elsewhere the
             # turned order measured 1.5-2 % slower (hd128 1k, H200)
             if seqlen_q <= num_m_blocks * BM - 64:
-                m_block = rotated_m_block(tile, num_m_blocks, self.rotation_window(num_m_blocks))
+                if const_expr(window is None):
+                    window = self.rotation_window(num_m_blocks)
+                m_block = rotated_m_block(tile, num_m_blocks, window)
         active = Boolean(True)
         if const_expr(self.mask_right):
             hb = num_heads * num_batch
@@ -841,7 +844,7 @@ class FlashFwdSm90:
     @cute.jit
     def rotation_window(self, num_m_blocks):
         """lcm(grid, num_m_blocks) by Euclid's algorithm (tile_order.rotation_window is the
-        host's; a handful of steps, once per tile, in the producer with tile_info)."""
+        host's; once per CTA in the producer, or once per tile where the consumers decode)."""
         gx = cute.arch.grid_dim()[0]
         a = Int32(gx)
         b = Int32(num_m_blocks)
@@ -940,10 +943,14 @@ class FlashFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         tile, step = self.first_tile_and_step()
         total = self.num_slots(mQ, vl, sk)
+        window = None
+        if const_expr(self.rotate_m_blocks and self.persistent and not (self.mask_right or self.varlen)):
+            # the turned order's window, once per CTA rather than once per tile
+            window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
              offset_q, offset_k, active, cut, sk_slot) = self.item_coords(tile, mQ, mK, win_left,
-                                                                          win_right, vl, sk)
+                                                                          win_right, vl, sk, window)
             if active:
                 if const_expr(self.tile_info):
                     self.put_tile_info(pipe_info, s_info, info_state,
