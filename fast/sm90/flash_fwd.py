@@ -798,6 +798,8 @@ class FlashFwdSm90:
             # turned order measured 1.5-2 % slower (hd128 1k, H200)
             if seqlen_q <= num_m_blocks * BM - 64:
                 if const_expr(window is None):
+                    # (both decoders pass the window: with None, this assignment inside a
+                    # run-time branch changes the variable's type and fails to trace)
                     window = self.rotation_window(num_m_blocks)
                 m_block = rotated_m_block(tile, num_m_blocks, window)
         active = Boolean(True)
@@ -1090,10 +1092,14 @@ class FlashFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_INFO_STAGES)
         tile, step, total = Int32(0), Int32(0), Int32(0)
+        window = None
         if const_expr(not self.tile_info):
             # (the bound can cost a warp scan of cu_seqlens: varlen paired order)
             tile, step = self.first_tile_and_step()
             total = self.num_slots(mQ, vl, sk)
+            if const_expr(self.rotate_m_blocks and self.persistent and not (self.mask_right or self.varlen)):
+                # the turned order's window, once (as the producer does)
+                window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
         # the loop runs over the slots of the tile order (item_coords decodes each), or with
         # tile_info over the producer's active tiles until its m_block < 0
         (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
@@ -1109,7 +1115,7 @@ class FlashFwdSm90:
             if const_expr(not self.tile_info):
                 (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
                  offset_q, _, active, cut, sk_slot) = self.item_coords(
-                     tile, mQ, mK, win_left, win_right, vl, sk)
+                     tile, mQ, mK, win_left, win_right, vl, sk, window)
             if active:
                 n_blocks = cutlass.max(n_block_max - n_block_min, 0)
                 acc_O.fill(0.0)
