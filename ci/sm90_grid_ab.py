@@ -35,12 +35,15 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                               # order (pass), on the dense / GQA cells, the
                                               # documents and shapes whose last query tile leaves
                                               # one empty
+    python ci/sm90_grid_ab.py o_slot       # hd256's O staged in one slot the warpgroups share
+                                           # against in Q's buffer
     python ci/sm90_grid_ab.py tile_info    # tile coordinates from the producer against each
                                            # consumer decoding them (branch wip/tile-info-smem)
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
-DUALATTN_AB_GRAPH=1 times CUDA-graph replays (each variant captured once, the replays interleaved,
+DUALATTN_AB_BASE_TILES=256:48,2,0 puts an override on the default side of the tiles knob too (two
+overrides against each other). DUALATTN_AB_GRAPH=1 times CUDA-graph replays (each variant captured once, the replays interleaved,
 five rounds): the kernels alone, without either variant's host path. DUALATTN_AB_CELLS=REGEX keeps
 the cells whose label matches it (re.search).
 
@@ -59,6 +62,7 @@ from dualattn import bench as B
 
 GRAPH = os.environ.get("DUALATTN_AB_GRAPH", "") == "1"
 CELLS = os.environ.get("DUALATTN_AB_CELLS", "")
+BASE_TILES = os.environ.get("DUALATTN_AB_BASE_TILES", "")  # tiles knob: override on the default side
 KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_STAGES_ENV", "1", "one Q buffer"),
          "paired": ("_PAIRED_ENV", "0", "heaviest first"),
          "varlen_sections": ("_VARLEN_SECTIONS_ENV", "0", "across all"),
@@ -72,12 +76,14 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "tile_info": ("_TILE_INFO_ENV", "0", "consumers decode"),
          "q_regs": ("_Q_REGS_ENV", "0", "Q from shared memory"),
          "pass_empty_wg": ("_PASS_EMPTY_WG_ENV", None, "empty warpgroups"),  # 0 or pass
-         "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains")}  # value: the second argument
+         "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains"),
+         "o_slot": ("_O_SLOT_ENV", "0", "O in Q's buffer")}  # value: the second argument
 
 
 def _set_tiles(_module, _attr, value):
-    """setattr stand-in for the tiles knob: the override is read from the environment per call."""
-    os.environ["DUALATTN_SM90_TILES"] = value
+    """setattr stand-in for the tiles knob: the override is read from the environment per call
+    (the default side: DUALATTN_AB_BASE_TILES, empty for the built-in tiles)."""
+    os.environ["DUALATTN_SM90_TILES"] = value or BASE_TILES
 
 
 def _set_rescale_before_pv(module, _attr, value):
@@ -168,6 +174,9 @@ def main(knob: str, tiles: str = ""):
         # (what a warpgroup computing alone costs; with a KV head per tile HBM bounds it)
         cells += [B.Cell("fwd", "gqa", 8, 64, 8192, 66, 1, 128),
                   B.Cell("fwd", "gqa", 8, 64, 8192, 132, 1, 64)]
+    elif knob == "o_slot":  # hd256 (64-key tiles: the dense cells but causal from 8k)
+        cells = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
+        cells += [B.Cell("fwd", "dense", 16, 1088, 1088, 8, 8, 256)]
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
         wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
         cells = wide + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in wide]

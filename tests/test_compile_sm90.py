@@ -71,15 +71,23 @@ def test_compiles_for_sm90a_with_wgmma_loop(d, causal, dtype):
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # producer's K/V TMA loop
     assert "setmaxnreg.dec" in ptx and "setmaxnreg.inc" in ptx
-    # O's epilogue: with its own buffer (D <= 128) each warpgroup stages and stores its 64 rows
-    # behind a barrier of its own 128 threads (ids 5..); O aliased with Q (D > 128) waits for all
+    # O's epilogue: with its own buffer (D <= 128), or one warpgroup's slot of it that the two
+    # share by turns (hd256 at 64-key tiles), each warpgroup stages and stores its 64 rows
+    # behind a barrier of its own 128 threads (ids 5..); O aliased with Q (hd192) waits for all
     # consumer warpgroups at barrier 1
     wgs = FastSm90Forward.config(spec)[0] // 64
-    assert FastSm90Forward.wg_epilogue(spec) is (d <= 128)
-    if d <= 128:
+    shared_slot = FastSm90Forward.shared_o_slot(spec)
+    assert shared_slot is (d == 256)
+    assert FastSm90Forward.wg_epilogue(spec) is (d <= 128 or shared_slot)
+    if d <= 128 or shared_slot:
         assert re.search(r"bar\.sync\s+%r\d+,\s*128;", ptx) and not re.search(r"bar\.sync\s+1,", ptx)
     else:
         assert re.search(r"bar\.sync\s+1,\s*%d;" % (128 * wgs), ptx)
+    # the slot's hand-over between the two warpgroups (ids 8, 9): an arrive and a wait of 256
+    # threads (ping-pong's ring has such arrives too); warpgroup 0's last wait (id 8)
+    if not FastSm90Forward.config(spec)[3]:
+        assert (re.search(r"bar\.arrive\s+%r\d+,\s*256;", ptx) is not None) is shared_slot
+    assert (re.search(r"bar\.sync\s+8,\s*256;", ptx) is not None) is shared_slot
 
 
 @pytest.mark.compile_only
@@ -93,13 +101,14 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, True, False, 2, 1, False, False, 8.0, False, L2_SECTION_BYTES,
-                   1, True, "sm_90a")
+                   False, False, False, False, True, True, False, 2, False, 1, False, False, 8.0, False,
+                   L2_SECTION_BYTES, 1, True, "sm_90a")
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
     # blocks, FastSm90Forward.pass_empty_wg, and non-causal query blocks turn by round,
-    # .rotate_m_blocks: their sum, index 21)
+    # .rotate_m_blocks: their sum, index 21; one O slot the warpgroups share,
+    # FastSm90Forward.shared_o_slot, index 22)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1

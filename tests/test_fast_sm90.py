@@ -152,6 +152,18 @@ _case("emptywg", 2, 1090, 1090, 2, 2, 256, "bfloat16", True, window=(300, 0))
 _case("emptywg", 2, 8, 700, 32, 8, 128, "bfloat16", False, num_sms=4)  # 32 packed rows of 128
 _case("emptywg-off", 2, 1024, 1024, 4, 4, 64, num_sms=6, pass_empty_wg="0")
 _case("emptywg-off", 2, 1050, 1050, 4, 4, 128, "bfloat16", True, pass_empty_wg="0")
+# one O slot that the two warpgroups stage their rows in by turns (FastSm90Forward.shared_o_slot:
+# hd256 at 64-key tiles, (192, 128)): small grids so every CTA hands the slot on over many
+# tiles (one CTA runs them all), causal pairs, a warpgroup with no row, stream-K pieces that do
+# not store, fp16, and the same shape with O staged in Q's buffer
+_case("oslot", 2, 1000, 1000, 4, 2, 256, num_sms=3)
+_case("oslot", 1, 600, 700, 3, 3, 256, "float16", num_sms=1)
+_case("oslot", 2, 1500, 1500, 4, 4, 256, "bfloat16", True, num_sms=4)
+_case("oslot", 2, 1090, 1090, 2, 2, 256, num_sms=7)
+_case("oslot", 2, 1000, 1000, 4, 2, 256, num_sms=10, stream_k="1")
+_case("oslot", 2, 700, 900, 4, 2, 192, num_sms=5, dv=128)
+_case("oslot", 2, 700, 700, 4, 4, 192, "bfloat16", True, "1", num_sms=5, dv=128)
+_case("oslot-off", 2, 1000, 1000, 4, 2, 256, num_sms=3, o_slot="0")
 # the paired order's tail as single tiles (tile_order.split_tail_tile; FastSm90Forward.split_tail):
 # stream-K off, small grids (num_sms) so small shapes have a partly filled last round; odd query
 # block counts (two heads' middle blocks make a unit; a lone last head's middle alone), bottom-right
@@ -496,6 +508,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._WG_KEY_BOUND_ENV = kw.pop("wg_key_bound", "")
             sm90._SPLIT_TAIL_ENV = kw.pop("split_tail", "")
             sm90._PASS_EMPTY_WG_ENV = kw.pop("pass_empty_wg", "")
+            sm90._O_SLOT_ENV = kw.pop("o_slot", "")
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
             sm90.FORWARD._entries.clear()
@@ -521,6 +534,7 @@ def _run_worker(out_path: str, group: str) -> None:
                                    if impl.name == "fast-sm90" and impl.stream_k(call.spec) else 0)
                 rec["wg_key_bound"] = impl.name == "fast-sm90" and impl.wg_key_bound(call.spec)
                 rec["split_tail"] = impl.name == "fast-sm90" and impl.split_tail(call.spec)
+                rec["o_slot"] = impl.name == "fast-sm90" and impl.shared_o_slot(call.spec)
                 rec["split_groups"] = (impl.scalar_fields(call.spec, sm90._num_sms(q.device))[-1]
                                        if rec["split_tail"] else 0)
                 outs = []
@@ -542,7 +556,7 @@ def _run_worker(out_path: str, group: str) -> None:
             f.write(json.dumps(rec) + "\n")
             f.flush()
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
-        sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = sm90._PASS_EMPTY_WG_ENV = ""
+        sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = sm90._PASS_EMPTY_WG_ENV = sm90._O_SLOT_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
             if _in_group(case[0], group):
@@ -623,6 +637,10 @@ def test_forward_matches_oracle(results, case):
         assert r["sk_tiles"] == 0
     if name.startswith("wgkb-"):  # the forced key bound reached the kernel
         assert r["wg_key_bound"] is name.endswith("wg_key_bound1")
+    if name.startswith("oslot"):  # the shared O slot reached the kernel (or, off, did not)
+        assert r["o_slot"] is not name.startswith("oslot-off")
+    if name.startswith("oslot-") and not name.startswith("oslot-off") and "stream_k1" in name:
+        assert r["sk_tiles"] > 0, "no tile was cut: the pieces' hand-over did not run"
     if name.startswith("splittail-"):  # the tail order the case names reached the kernel
         assert r["split_tail"] is not name.startswith("splittail-off")
         assert (r["split_groups"] > 0) is not name.startswith("splittail-off")

@@ -60,6 +60,7 @@ _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forw
 _TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
 _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs
 _PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .pass_empty_wg
+_O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.shared_o_slot
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -223,6 +224,15 @@ def _narrow_hd256_tile(spec) -> bool:
     return not (spec.causal or spec.window[1] >= 0) or spec.seqlen_q < HD256_WIDE_TILE_MIN_CAUSAL_SEQLEN
 
 
+def _smem_need(spec, tile_m: int, tile_n: int, stages: int, o_rows: int, q_stages: int = 1) -> int:
+    """Shared-memory bytes of a forward config: q_stages Q tiles, o_rows rows of O, stages of K
+    and V, and 1024 for the barriers that come first (the buffers are 1024-byte aligned; the
+    kernel checks the struct's real size at trace time)."""
+    esize = 2  # fp16 / bf16
+    return 1024 + esize * (q_stages * tile_m * spec.head_dim + o_rows * spec.head_dim_v
+                           + stages * tile_n * (spec.head_dim + spec.head_dim_v))
+
+
 def _sparse_tile_n(head_dim: int, block_n: int, head_dim_v: Optional[int] = None) -> Optional[int]:
     """Key tile for a block-sparse call: the largest multiple of 16 up to the head dim's default
     tile that divides the CSR's block_n (a CSR key block must cover whole kernel tiles)."""
@@ -342,7 +352,26 @@ class FastSm90Forward:
             stages = 4  # causal 192-row tiles on the persistent grid (see _three_warpgroups)
         if len(override) > 4 and not spec.has_block_sparse:
             wgs = override[4]
+        if (not separate_o and len(override) <= 2 and wgs == 2 and persistent and _O_SLOT_ENV != "0"
+                and _smem_need(spec, 128, tile_n, stages, 64) <= SMEM_LIMIT["sm_90a"]):
+            separate_o = True  # one warpgroup's rows of O fit: FastSm90Forward.shared_o_slot
         return 64 * wgs, tile_n, stages, pingpong, True, persistent, separate_o
+
+    @classmethod
+    def shared_o_slot(cls, spec) -> bool:
+        """O's own buffer holds one warpgroup's 64 rows, which the two consumer warpgroups stage
+        and store in turn (FlashFwdSm90.shared_o_slot; per-warpgroup epilogues), where shared
+        memory has room for that but not for the tile's O: hd256 at 64-key tiles (Q 64 KB, two
+        stages of K / V 128 KB, the slot 32 KB) and (192, 128), on the persistent grid. Without
+        a buffer of its own O is staged in Q's, so the producer can load a tile's Q only after
+        the previous tile's store has read it, and the consumers wait for it at every tile
+        start. An experiment with 48-key tiles (full O buffer; DUALATTN_AB_BASE_TILES=256:48,2,0
+        python ci/sm90_grid_ab.py tiles 256:48,2,1, H200, graph replays) gave hd256 1k / 2k /
+        4k 1.058 / 1.036 / 1.008x, causal 1.074 / 1.022 / 1.001x. DUALATTN_SM90_O_SLOT=0 turns it
+        off (comparisons)."""
+        tile_m, tile_n, stages, _, _, _, separate_o = cls.config(spec)
+        return separate_o and tile_m == 128 and \
+            _smem_need(spec, tile_m, tile_n, stages, tile_m) > SMEM_LIMIT["sm_90a"]
 
     @staticmethod
     def mask_flags(spec) -> Tuple[bool, bool, bool]:
@@ -383,7 +412,7 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
-                self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.shared_o_slot(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -447,12 +476,7 @@ class FastSm90Forward:
         tile_m, tile_n, stages, _, _, persistent, separate_o = cls.config(spec)
         if not (persistent and separate_o) or _Q_STAGES_ENV == "1":
             return 1
-        esize = 2  # fp16 / bf16
-        need = esize * (2 * tile_m * spec.head_dim + tile_m * spec.head_dim_v
-                        + stages * tile_n * (spec.head_dim + spec.head_dim_v))
-        # the barriers come first, then the 1024-byte aligned buffers (the kernel checks the
-        # struct's real size at trace time)
-        return 2 if need + 1024 <= SMEM_LIMIT["sm_90a"] else 1
+        return 2 if _smem_need(spec, tile_m, tile_n, stages, tile_m, 2) <= SMEM_LIMIT["sm_90a"] else 1
 
     @classmethod
     def paired(cls, spec) -> bool:
@@ -478,6 +502,8 @@ class FastSm90Forward:
         boundaries. Needs O's own shared-memory buffer (D <= 128). DUALATTN_SM90_WG_EPILOGUE=0
         turns it off (comparisons)."""
         separate_o = cls.config(spec)[6]
+        if cls.shared_o_slot(spec):  # the slot is one warpgroup's
+            return True
         return separate_o and 64 % cls.pack_gqa(spec) == 0 and _WG_EPILOGUE_ENV != "0"
 
     @classmethod
@@ -760,7 +786,8 @@ class FastSm90Forward:
                             wg_key_bound=self.wg_key_bound(spec), split_tail=self.split_tail(spec),
                             bit_mask=self.bit_mask(spec), tile_info=self.tile_info(spec),
                             q_regs=self.q_regs(spec), pass_empty_wg=self.pass_empty_wg(spec),
-                            rotate_m_blocks=self.rotate_m_blocks(spec))
+                            rotate_m_blocks=self.rotate_m_blocks(spec),
+                            shared_o_slot=self.shared_o_slot(spec))
 
     @staticmethod
     def arg_schema(spec):

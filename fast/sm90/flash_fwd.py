@@ -76,6 +76,7 @@ LN_2 = math.log(2.0)
 _BAR_EPILOGUE = 1     # the consumer threads, around the O staging in shared memory
 _BAR_WG_SCHED = 2     # 2, 3 (, 4): round-robin order of the consumer warpgroups' GEMM issue
 _BAR_EPILOGUE_WG = 5  # 5, 6 (, 7): one warpgroup's threads around its own O rows (wg_epilogue)
+_BAR_O_SLOT = 8       # 8, 9: the shared O slot handed from one warpgroup to the other (shared_o_slot)
 # tile_info: the producer decodes each tile's coordinates once and hands them to the consumers
 # through shared memory (the fields of item_coords the consumers read; m_block < 0 ends the loop)
 TILE_INFO_FIELDS = ("m_block", "head", "head_kv", "batch", "n_block_min", "n_block_max",
@@ -178,7 +179,8 @@ class FlashFwdSm90:
                  varlen_sections: bool = False, wg_epilogue: bool = False, stream_k: bool = False,
                  reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False,
                  bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False,
-                 pass_empty_wg: bool = False, rotate_m_blocks: bool = False):
+                 pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
+                 shared_o_slot: bool = False):
         self.dtype = dtype
         # Q K^T with Q from registers (RS wgmma; Q copied from shared memory by ldmatrix once
         # per tile) instead of from shared memory (SS): each Q K^T then reads only K from shared
@@ -266,6 +268,14 @@ class FlashFwdSm90:
         # Needs O's own buffer (an aliased one is Q's, which both warpgroups read until the end)
         assert not wg_epilogue or (separate_o and 64 % pack_gqa == 0)
         self.wg_epilogue = wg_epilogue
+        # wg_epilogue where shared memory holds one warpgroup's 64 rows of O but not the tile's
+        # (hd256: Q 64 KB + two stages of K / V 128 KB + 32 KB): the two warpgroups stage their
+        # rows in that one slot in turn, each handing it on once its TMA store has read it
+        # (named barriers _BAR_O_SLOT + w). What it buys is Q's buffer back before the epilogue,
+        # so the next tile's Q loads under this tile's last blocks
+        assert not shared_o_slot or (wg_epilogue and self.num_mma_wg == 2)
+        self.shared_o_slot = shared_o_slot
+        self.o_slots = 1 if shared_o_slot else self.num_mma_wg
         # stream-K tail (fast/common/tile_order.stream_k_tiles): the persistent grid's last two
         # rounds cut along the keys, a cut tile's two pieces merged by the one finishing second
         # (stream_k_merge). Needs units of (nearly) equal work: the tiles of calls without causal /
@@ -299,7 +309,8 @@ class FlashFwdSm90:
         self.smem_bytes = check_smem_budget(
             {
                 "Q": q_stages * self.tile_m * head_dim * dtype.width // 8,
-                "O": self.tile_m * head_dim_v * dtype.width // 8 if separate_o else 0,
+                "O": (64 * self.o_slots if wg_epilogue else self.tile_m) * head_dim_v * dtype.width // 8
+                if separate_o else 0,
                 "K": num_stages * tile_n * head_dim * dtype.width // 8,
                 "V": num_stages * tile_n * head_dim_v * dtype.width // 8,
             },
@@ -344,8 +355,9 @@ class FlashFwdSm90:
         sQ_layout = self._smem_layout((BM, D), self.q_stages if const_expr(self.q_stages > 1) else None)
         sK_layout = self._smem_layout((BN, D), self.num_stages)
         sV_layout = self._smem_layout((BN, Dv), self.num_stages)
-        # wg_epilogue: O as (64, Dv, warpgroup), each warpgroup's rows one TMA box of their own
-        sO_layout = (self._smem_layout((64, Dv), self.num_mma_wg) if const_expr(self.wg_epilogue)
+        # wg_epilogue: O as (64, Dv, slot), each warpgroup's rows one TMA box of their own (in
+        # its own slot, or with shared_o_slot in the one slot in turn)
+        sO_layout = (self._smem_layout((64, Dv), self.o_slots) if const_expr(self.wg_epilogue)
                      else self._smem_layout((BM, Dv), None))
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
@@ -1070,10 +1082,12 @@ class FlashFwdSm90:
         thr_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv).get_slice(tidx)
         sO_mn = sO
         if const_expr(self.wg_epilogue):
-            # the (tile_m, Dv) view of the (64, Dv, warpgroup) buffer: row r is row r % 64 of
+            # the (tile_m, Dv) view of the (64, Dv, slot) buffer: row r is row r % 64 of
             # warpgroup r // 64's slice, which holds exactly that warpgroup's accumulator rows
+            # (shared_o_slot: every warpgroup's rows map onto the one slot)
+            wg_stride = 64 * Dv if const_expr(not self.shared_o_slot) else 0
             sO_mn = cute.composition(
-                sO, cute.make_layout(((64, self.num_mma_wg), Dv), stride=((1, 64 * Dv), 64)))
+                sO, cute.make_layout(((64, self.num_mma_wg), Dv), stride=((1, wg_stride), 64)))
         tOsO_r2s = thr_copy_O.partition_D(sO_mn)
         # the threads that share O's staging: all consumers, or (wg_epilogue) this warpgroup
         epi_bar = _BAR_EPILOGUE
@@ -1105,6 +1119,7 @@ class FlashFwdSm90:
         (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
          offset_q, cut_i, sk_slot) = (Int32(0),) * len(TILE_INFO_FIELDS)
         active = Boolean(True)
+        o_turns = Int32(0)  # shared_o_slot: this warpgroup's epilogues so far
         more = tile < total
         if const_expr(self.tile_info):
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
@@ -1254,6 +1269,12 @@ class FlashFwdSm90:
                     pipe_q.consumer_release(q_state)
                     q_state.advance()
 
+                if const_expr(self.shared_o_slot):
+                    # the slot is this warpgroup's once the other one's store has read it:
+                    # warpgroup 1 waits for warpgroup 0's store of this tile, warpgroup 0 for
+                    # warpgroup 1's of the previous tile (none before its first)
+                    if wg == 1 or o_turns > 0:
+                        cute.arch.barrier(barrier_id=_BAR_O_SLOT + wg, number_of_threads=256)
                 if const_expr(self.stream_k):
                     # a cut tile's piece: the one finishing second merges both and stores the tile
                     finish = Boolean(True)
@@ -1271,6 +1292,13 @@ class FlashFwdSm90:
                                   tScS_mn, thr_copy_O, tOsO_r2s, softmax_scale_log2, m_block,
                                   head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
                                   epi_threads, vl)
+                if const_expr(self.shared_o_slot):
+                    # hand the slot on (a piece that did not store hands it on all the same): the
+                    # warp that issued the store waits until the store has read it
+                    if tidx % 128 < 32:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier_arrive(barrier_id=_BAR_O_SLOT + 1 - wg, number_of_threads=256)
+                    o_turns += 1
                 if const_expr(not self.separate_o):
                     # the store has read Q/O's buffer: hand it back to the producer for the next Q
                     cute.arch.barrier(barrier_id=_BAR_EPILOGUE, number_of_threads=128 * self.num_mma_wg)
@@ -1283,6 +1311,9 @@ class FlashFwdSm90:
             else:
                 tile += step
                 more = tile < total
+        if const_expr(self.shared_o_slot):
+            if wg == 0 and o_turns > 0:  # warpgroup 1's last hand-over
+                cute.arch.barrier(barrier_id=_BAR_O_SLOT, number_of_threads=256)
         # shared memory must outlive the last store's reads (each issuing warp waits for its own)
         if tidx % epi_threads < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -1563,7 +1594,7 @@ class FlashFwdSm90:
         would write the next sequence's rows). A slice wholly past the end stores nothing."""
         Dv = self.head_dim_v
         slot = m_block * self.num_mma_wg + wg  # 64-row block of the (head, batch) slice
-        sO_wg = sO[None, None, wg]
+        sO_wg = sO[None, None, wg if const_expr(not self.shared_o_slot) else 0]
         rows_left = seqlen_q - slot * 64
         if const_expr(self.varlen):
             if rows_left >= 64:
