@@ -174,9 +174,12 @@ def main(knob: str, tiles: str = ""):
         # (what a warpgroup computing alone costs; with a KV head per tile HBM bounds it)
         cells += [B.Cell("fwd", "gqa", 8, 64, 8192, 66, 1, 128),
                   B.Cell("fwd", "gqa", 8, 64, 8192, 132, 1, 64)]
-    elif knob == "o_slot":  # hd256 (64-key tiles: the dense cells but causal from 8k)
+    elif knob == "o_slot":  # hd256 (64-key tiles: the dense cells but causal from 8k); hd192
+        # under 4k keys (96-key tiles with the slot, 112 without), 10 heads of 192
         cells = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
         cells += [B.Cell("fwd", "dense", 16, 1088, 1088, 8, 8, 256)]
+        cells += [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in cells
+                  if not c.causal and c.seqlen_k <= 4096 and c.seqlen_q != 1088]
     elif knob == "rescale":  # the wide head dims it is on for, hd192 too, and hd128 for scale
         wide = B.filter_cells(fwd, groups=["dense"], head_dims=[256])
         cells = wide + [replace(c, head_dim=192, heads_q=10, heads_kv=10) for c in wide]

@@ -224,6 +224,22 @@ def _narrow_hd256_tile(spec) -> bool:
     return not (spec.causal or spec.window[1] >= 0) or spec.seqlen_q < HD256_WIDE_TILE_MIN_CAUSAL_SEQLEN
 
 
+HD192_SHORT_TILE_N = 96
+HD192_SHORT_MAX_KEYS = 4096
+
+
+def _short_hd192_tile(spec) -> bool:
+    """Plain non-causal hd192 (no window, key ranges or CSR: the persistent grid) under
+    HD192_SHORT_MAX_KEYS keys runs 96-wide key tiles instead of 112, which leave room for the
+    shared O slot (FastSm90Forward.shared_o_slot: Q 48 KB, two stages of K / V 144 KB, the slot
+    24 KB). H200, graph replays (repros of docs section 31), time 96 + slot / 112 with O in Q's
+    buffer: 512 / 1k / 2k / 3k 0.931 / 0.903 / 0.943 / 0.950, but 4k / 8k 1.021 / 1.034 (the
+    slot alone, both at 96: 0.927-0.977 below 4k, 1.028-1.038 from 4k)."""
+    return ((spec.head_dim, spec.head_dim_v) == (192, 192) and not spec.causal
+            and spec.window == (-1, -1) and not (spec.has_key_ranges or spec.has_block_sparse)
+            and spec.seqlen_k < HD192_SHORT_MAX_KEYS)
+
+
 def _smem_need(spec, tile_m: int, tile_n: int, stages: int, o_rows: int, q_stages: int = 1) -> int:
     """Shared-memory bytes of a forward config: q_stages Q tiles, o_rows rows of O, stages of K
     and V, and 1024 for the barriers that come first (the buffers are 1024-byte aligned; the
@@ -322,6 +338,9 @@ class FastSm90Forward:
             tile_n = _sparse_tile_n(spec.head_dim, spec.block_size[1], spec.head_dim_v)
         elif _narrow_hd256_tile(spec) and _tile_override(spec.head_dim, spec.head_dim_v) is None:
             tile_n = HD256_NARROW_TILE_N
+        elif _short_hd192_tile(spec) and _tile_override(spec.head_dim, spec.head_dim_v) is None \
+                and _O_SLOT_ENV != "0":
+            tile_n = HD192_SHORT_TILE_N
         # ping-pong pays off where the softmax is a large share of the work (D <= 128); at larger
         # D the GEMMs dominate and the extra barrier only serialises (FA3 makes the same choice)
         # key ranges / block-sparse: uneven work per tile, which the hardware's assignment of
@@ -362,7 +381,8 @@ class FastSm90Forward:
         """O's own buffer holds one warpgroup's 64 rows, which the two consumer warpgroups stage
         and store in turn (FlashFwdSm90.shared_o_slot; per-warpgroup epilogues), where shared
         memory has room for that but not for the tile's O: hd256 at 64-key tiles (Q 64 KB, two
-        stages of K / V 128 KB, the slot 32 KB) and (192, 128), on the persistent grid. Without
+        stages of K / V 128 KB, the slot 32 KB), (192, 128), and hd192 under 4k keys at 96-key
+        tiles (_short_hd192_tile), on the persistent grid. Without
         a buffer of its own O is staged in Q's, so the producer can load a tile's Q only after
         the previous tile's store has read it, and the consumers wait for it at every tile
         start. An experiment with 48-key tiles (full O buffer; DUALATTN_AB_BASE_TILES=256:48,2,0
@@ -499,8 +519,9 @@ class FastSm90Forward:
         named barrier and TMA store) rather than all warpgroups together behind one barrier:
         the warpgroup that runs half a key block ahead (ping-pong) then starts its next tile
         while the others finish theirs, so the tensor cores keep working across tile
-        boundaries. Needs O's own shared-memory buffer (D <= 128). DUALATTN_SM90_WG_EPILOGUE=0
-        turns it off (comparisons)."""
+        boundaries. Needs O's own shared-memory buffer (D <= 128; hd256 / (192, 128) on the
+        persistent grid run it always, with the one slot of shared_o_slot).
+        DUALATTN_SM90_WG_EPILOGUE=0 turns it off elsewhere (comparisons)."""
         separate_o = cls.config(spec)[6]
         if cls.shared_o_slot(spec):  # the slot is one warpgroup's
             return True

@@ -1416,7 +1416,9 @@ class FlashFwdSm90:
         # done. Separate: free once the previous tile's store has read it; the warp that
         # issued that store (warp 0 of the consumers, or with wg_epilogue of this
         # warpgroup) waits for it here, a whole tile after issuing it (varlen partial
-        # tiles: every thread's own shared-memory reads are complete already).
+        # tiles: every thread's own shared-memory reads are complete already). A slot the
+        # warpgroups share (shared_o_slot) was handed over in consume, after the other
+        # warpgroup's store had read it.
         if const_expr(self.separate_o):
             if tidx % epi_threads < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
