@@ -153,7 +153,7 @@ _case("emptywg", 2, 8, 700, 32, 8, 128, "bfloat16", False, num_sms=4)  # 32 pack
 _case("emptywg-off", 2, 1024, 1024, 4, 4, 64, num_sms=6, pass_empty_wg="0")
 _case("emptywg-off", 2, 1050, 1050, 4, 4, 128, "bfloat16", True, pass_empty_wg="0")
 # one O slot that the two warpgroups stage their rows in by turns (FastSm90Forward.shared_o_slot:
-# hd256 at 64-key tiles, (192, 128)): small grids so every CTA hands the slot on over many
+# hd256 at 64-key tiles, (192, 128), hd192 under 4k keys): small grids so every CTA hands the slot on over many
 # tiles (one CTA runs them all), causal pairs, a warpgroup with no row, stream-K pieces that do
 # not store, fp16, and the same shape with O staged in Q's buffer
 _case("oslot", 2, 1000, 1000, 4, 2, 256, num_sms=3)
@@ -162,6 +162,7 @@ _case("oslot", 2, 1500, 1500, 4, 4, 256, "bfloat16", True, num_sms=4)
 _case("oslot", 2, 1090, 1090, 2, 2, 256, num_sms=7)
 _case("oslot", 2, 1000, 1000, 4, 2, 256, num_sms=10, stream_k="1")
 _case("oslot", 2, 700, 900, 4, 2, 192, num_sms=5, dv=128)
+_case("oslot", 2, 1000, 900, 4, 2, 192, "float16", num_sms=3)  # hd192 under 4k keys: 96-key tiles
 _case("oslot", 2, 700, 700, 4, 4, 192, "bfloat16", True, "1", num_sms=5, dv=128)
 _case("oslot-off", 2, 1000, 1000, 4, 2, 256, num_sms=3, o_slot="0")
 # the paired order's tail as single tiles (tile_order.split_tail_tile; FastSm90Forward.split_tail):
