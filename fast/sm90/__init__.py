@@ -519,8 +519,8 @@ class FastSm90Forward:
         named barrier and TMA store) rather than all warpgroups together behind one barrier:
         the warpgroup that runs half a key block ahead (ping-pong) then starts its next tile
         while the others finish theirs, so the tensor cores keep working across tile
-        boundaries. Needs O's own shared-memory buffer (D <= 128; hd256 / (192, 128) on the
-        persistent grid run it always, with the one slot of shared_o_slot).
+        boundaries. Needs O's own shared-memory buffer (D <= 128; where shared_o_slot runs, it
+        runs always, the slot being one warpgroup's).
         DUALATTN_SM90_WG_EPILOGUE=0 turns it off elsewhere (comparisons)."""
         separate_o = cls.config(spec)[6]
         if cls.shared_o_slot(spec):  # the slot is one warpgroup's

@@ -303,6 +303,8 @@ class FlashFwdSm90:
         assert not pass_empty_wg or (overlap and not self.dynamic_mask)
         self.pass_empty_wg = pass_empty_wg
         self.rotate_m_blocks = pass_empty_wg and rotate_m_blocks
+        # where the turned order can apply: the non-causal batched order of the persistent grid
+        self.turned_order = self.rotate_m_blocks and persistent and not (self.mask_right or varlen)
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
         # trace-time checks of the static configuration (raise before any code is generated)
         assert head_dim % 16 == 0 and head_dim_v % 16 == 0 and tile_n % 16 == 0
@@ -805,14 +807,12 @@ class FlashFwdSm90:
         num_heads = cute.size(mQ.shape[2])
         m_block = tile % num_m_blocks
         rest = tile // num_m_blocks
-        if const_expr(self.rotate_m_blocks and self.persistent and not (self.mask_right or self.varlen)):
+        if const_expr(self.turned_order):
+            # the decoder computes the window once per CTA and passes it
+            assert window is not None, "the turned order needs its window (rotation_window)"
             # only where the last query block leaves a warpgroup empty (lighter): elsewhere the
             # turned order measured 1.5-2 % slower (hd128 1k, H200)
             if seqlen_q <= num_m_blocks * BM - 64:
-                if const_expr(window is None):
-                    # (both decoders pass the window: with None, this assignment inside a
-                    # run-time branch changes the variable's type and fails to trace)
-                    window = self.rotation_window(num_m_blocks)
                 m_block = rotated_m_block(tile, num_m_blocks, window)
         active = Boolean(True)
         if const_expr(self.mask_right):
@@ -858,7 +858,8 @@ class FlashFwdSm90:
     @cute.jit
     def rotation_window(self, num_m_blocks):
         """lcm(grid, num_m_blocks) by Euclid's algorithm (tile_order.rotation_window is the
-        host's; once per CTA in the producer, or once per tile where the consumers decode)."""
+        host's), once per CTA by each decoder of tiles: the producer, and the consumers where
+        they decode (tile_info off)."""
         gx = cute.arch.grid_dim()[0]
         a = Int32(gx)
         b = Int32(num_m_blocks)
@@ -958,7 +959,7 @@ class FlashFwdSm90:
         tile, step = self.first_tile_and_step()
         total = self.num_slots(mQ, vl, sk)
         window = None
-        if const_expr(self.rotate_m_blocks and self.persistent and not (self.mask_right or self.varlen)):
+        if const_expr(self.turned_order):
             # the turned order's window, once per CTA rather than once per tile
             window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
         while tile < total:
@@ -1111,7 +1112,7 @@ class FlashFwdSm90:
             # (the bound can cost a warp scan of cu_seqlens: varlen paired order)
             tile, step = self.first_tile_and_step()
             total = self.num_slots(mQ, vl, sk)
-            if const_expr(self.rotate_m_blocks and self.persistent and not (self.mask_right or self.varlen)):
+            if const_expr(self.turned_order):
                 # the turned order's window, once (as the producer does)
                 window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
         # the loop runs over the slots of the tile order (item_coords decodes each), or with
