@@ -18,7 +18,8 @@ pytest.importorskip("cutlass")
 
 from dualattn.spec import AttentionSpec  # noqa: E402
 from dualattn.fast.sm90 import FastSm90Forward  # noqa: E402
-from dualattn.fast.sm90.sass import assemble, key_block_loops, loop_budget, steady_loop  # noqa: E402
+from dualattn.fast.sm90.sass import (assemble, key_block_loops, loop_budget,  # noqa: E402
+                                    registers_live_through, steady_loop)
 
 def _spec(d, causal, sq, **kw):
     return AttentionSpec("batched", 2, sq, sq, 8, 8, d, d, torch.bfloat16, "cuda", causal=causal,
@@ -28,13 +29,12 @@ def _spec(d, causal, sq, **kw):
 # (id, spec, spill bytes allowed). The 3-warpgroup causal hd64 tile (160 registers per consumer
 # thread) spilled one register in ptxas 12.9 (4 bytes); it was measured faster than 2 warpgroups
 # all the same (docs/bench-h100-20261124.md section 15). Before the mask fix it spilled 308 bytes.
-# With one epilogue per warpgroup (section 19) ptxas keeps the 16 swizzled shared-memory addresses
-# of O's staging live from before the tile loop and spills 3 registers (12 bytes): 1 store and 3
-# loads of local memory per tile, in the epilogue; none in a key-block loop (checked below), and
-# that kernel ran 1-8 % faster with it (causal hd64 8k / 16k, H100).
+# With one epilogue per warpgroup (section 19) ptxas kept the 16 swizzled shared-memory addresses
+# of O's staging live from before the tile loop and spilled 3 registers (12 bytes); since they are
+# computed in each tile's epilogue (FastSm90Forward.staging_per_tile, section 32) it spills none.
 CONFIGS = [
     ("hd128-causal-1k", _spec(128, True, 1024), 0),
-    ("hd64-causal-8k-3wg", _spec(64, True, 8192), 12),
+    ("hd64-causal-8k-3wg", _spec(64, True, 8192), 0),
     ("hd128-window", _spec(128, True, 4096, window=(256, 0)), 0),
     ("hd128-tail", _spec(128, False, 1000), 0),
     ("hd256-causal", _spec(256, True, 2048), 0),
@@ -165,3 +165,27 @@ def test_plain_noncausal_128_row_tiles_take_q_from_registers(tmp_path):
         else:
             assert ldsm > 0 and all(rs.search(ln) for ln in gmma), gmma[:2]
             assert "0 bytes spill stores" in log
+
+
+# (config, plain 128-row tile with Q in registers or 192-row tile, causal)
+LIVE_CONFIGS = [("hd128", _spec(128, False, 8192)), ("hd64-3wg", _spec(64, False, 8192)),
+                ("hd128-causal", _spec(128, True, 8192)), ("hd256", _spec(256, False, 8192))]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("staging_per_tile", ["", "0"], ids=["per-tile", "hoisted"])
+@pytest.mark.parametrize("name,spec", LIVE_CONFIGS, ids=[c[0] for c in LIVE_CONFIGS])
+def test_steady_loop_holds_no_epilogue_addresses(name, spec, staging_per_tile, tmp_path, monkeypatch):
+    """The steady key-block loop carries few registers it does not use: computed before the tile
+    loop, O's staging addresses (16 at hd128) stayed live through every key block and ptxas took
+    P's registers for the softmax's temporaries, which put the P V wait before the exponentials
+    (docs section 32). The hoisted form is checked too, so that the check can fail."""
+    import dualattn.fast.sm90 as sm90
+    monkeypatch.setattr(sm90, "_STAGING_PER_TILE_ENV", staging_per_tile)
+    _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
+    live = registers_live_through(sass, *steady_loop(sass))
+    if staging_per_tile == "0":
+        assert len(live) >= 16, live
+    else:
+        assert len(live) <= 4, live

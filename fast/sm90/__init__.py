@@ -61,6 +61,7 @@ _TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Fo
 _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs
 _PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .pass_empty_wg
 _O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.shared_o_slot
+_STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # see .staging_per_tile
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -394,6 +395,20 @@ class FastSm90Forward:
             _smem_need(spec, tile_m, tile_n, stages, tile_m) > SMEM_LIMIT["sm_90a"]
 
     @staticmethod
+    def staging_per_tile(spec) -> bool:
+        """Each consumer thread computes its shared-memory addresses for O's staging in every
+        tile's epilogue (FlashFwdSm90.staging_per_tile) instead of once before the tile loop,
+        where the compiler hoisted them and held them in 16 registers (hd128) through every
+        key block. With those registers taken, ptxas put the softmax's temporaries in P's
+        registers and so the P V wait before the exponentials (sm_90a SASS, hd128 non-causal:
+        40 instructions after the S wait, all 66 exponentials behind it; per tile: 114
+        instructions, 61 of 66). H200, CUDA-graph replays interleaved (repros of docs section
+        32), time per tile / hoisted: hd128 1k / 4k / 16k 0.994 / 0.979 / 0.986, hd64 4k / 16k
+        0.990 / 0.990, causal 1.005-1.008. DUALATTN_SM90_STAGING_PER_TILE=0 hoists them again
+        (comparisons)."""
+        return _STAGING_PER_TILE_ENV != "0"
+
+    @staticmethod
     def mask_flags(spec) -> Tuple[bool, bool, bool]:
         """(left window bound, right window bound, softcap): which code paths are compiled in.
         The window sizes and the cap are runtime arguments."""
@@ -432,7 +447,7 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
-                self.shared_o_slot(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.shared_o_slot(spec), self.staging_per_tile(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -808,7 +823,8 @@ class FastSm90Forward:
                             bit_mask=self.bit_mask(spec), tile_info=self.tile_info(spec),
                             q_regs=self.q_regs(spec), pass_empty_wg=self.pass_empty_wg(spec),
                             rotate_m_blocks=self.rotate_m_blocks(spec),
-                            shared_o_slot=self.shared_o_slot(spec))
+                            shared_o_slot=self.shared_o_slot(spec),
+                            staging_per_tile=self.staging_per_tile(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -46,6 +46,7 @@ from cutlass.utils import LayoutEnum
 
 from cutlass import Boolean
 
+from dualattn.fast.common.codegen import per_use_i32
 from dualattn.fast.common.softmax import merge_scales, mul_rn, tree_reduce
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
@@ -180,8 +181,11 @@ class FlashFwdSm90:
                  reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False,
                  bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False,
                  pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
-                 shared_o_slot: bool = False):
+                 shared_o_slot: bool = False, staging_per_tile: bool = True):
         self.dtype = dtype
+        # each thread's shared-memory addresses for O's staging computed in the epilogue of
+        # every tile (fast/common/codegen.per_use_i32) instead of once, before the tile loop
+        self.staging_per_tile = staging_per_tile
         # Q K^T with Q from registers (RS wgmma; Q copied from shared memory by ldmatrix once
         # per tile) instead of from shared memory (SS): each Q K^T then reads only K from shared
         # memory
@@ -1080,7 +1084,8 @@ class FlashFwdSm90:
         corr_prev = cute.make_rmem_tensor((num_rows,), Float32)  # rescale_before_pv
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
                                         num_bits_per_copy=2 * self.dtype.width)
-        thr_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv).get_slice(tidx)
+        # O's register -> shared copy: each thread's slice is taken in the epilogue (see there)
+        tiled_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv)
         sO_mn = sO
         if const_expr(self.wg_epilogue):
             # the (tile_m, Dv) view of the (64, Dv, slot) buffer: row r is row r % 64 of
@@ -1089,7 +1094,6 @@ class FlashFwdSm90:
             wg_stride = 64 * Dv if const_expr(not self.shared_o_slot) else 0
             sO_mn = cute.composition(
                 sO, cute.make_layout(((64, self.num_mma_wg), Dv), stride=((1, wg_stride), 64)))
-        tOsO_r2s = thr_copy_O.partition_D(sO_mn)
         # the threads that share O's staging: all consumers, or (wg_epilogue) this warpgroup
         epi_bar = _BAR_EPILOGUE
         epi_threads = 128 * self.num_mma_wg
@@ -1285,12 +1289,12 @@ class FlashFwdSm90:
                                                      sk_flag)
                     if finish:
                         self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
-                                      tScS_mn, thr_copy_O, tOsO_r2s, softmax_scale_log2, m_block,
+                                      tScS_mn, tiled_copy_O, sO_mn, softmax_scale_log2, m_block,
                                       head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
                                       epi_threads, vl)
                 else:
                     self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
-                                  tScS_mn, thr_copy_O, tOsO_r2s, softmax_scale_log2, m_block,
+                                  tScS_mn, tiled_copy_O, sO_mn, softmax_scale_log2, m_block,
                                   head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
                                   epi_threads, vl)
                 if const_expr(self.shared_o_slot):
@@ -1385,7 +1389,7 @@ class FlashFwdSm90:
 
     @cute.jit
     def epilogue(self, tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse, tScS_mn,
-                 thr_copy_O, tOsO_r2s, softmax_scale_log2, m_block, head_idx, batch_idx, seqlen_q,
+                 tiled_copy_O, sO_mn, softmax_scale_log2, m_block, head_idx, batch_idx, seqlen_q,
                  offset_q, tidx, wg, epi_bar, epi_threads, vl=None):
         """Normalise O, write LSE, stage O in shared memory and store it (one tile, or with
         wg_epilogue this warpgroup's 64 rows of it)."""
@@ -1426,7 +1430,13 @@ class FlashFwdSm90:
         cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
-        cute.copy(thr_copy_O, thr_copy_O.retile(rO), tOsO_r2s)
+        # this thread's staging addresses, computed here for each tile: computed once before
+        # the tile loop, they held 16 registers (hd128) through every key block, and ptxas then
+        # took P's registers for the softmax's temporaries, so the P V wait came before the
+        # exponentials (staging_per_tile)
+        thr_copy_O = tiled_copy_O.get_slice(
+            per_use_i32(tidx) if const_expr(self.staging_per_tile) else tidx)
+        cute.copy(thr_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO_mn))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
         # varlen: a tile that ends inside its sequence goes out by TMA like a batched one

@@ -100,3 +100,42 @@ def loop_budget(body: List[str], warpgroups: int) -> Dict[str, float]:
     return {"instructions": sum(base.values()), "mufu": base["MUFU"], "hgmma": base["HGMMA"],
             "ffma": base["FFMA"], "fadd": base["FADD"], "fmul": base["FMUL"], "fmnmx": base["FMNMX"],
             "tensor_clk": tensor, "mufu_clk": mufu, "issue_clk": issue}
+
+
+def _defs_uses(line: str) -> Tuple[List[int], List[int]]:
+    """(registers written, registers read) by one SASS instruction (R0-R254; RZ and uniform,
+    predicate and barrier registers left out). The first operand is the destination except for
+    stores, barriers, branches, wgmma syncs and mbarrier operations, which write no register."""
+    body = line.split(";")[0].split("*/", 1)[-1].strip()
+    if body.startswith("@"):
+        body = body.split(None, 1)[1] if " " in body else ""
+    parts = body.split(None, 1)
+    if not parts:
+        return [], []
+    op, operands = parts[0], (parts[1] if len(parts) > 1 else "")
+    fields = [f.strip() for f in operands.split(",")]
+    regs = lambda text: [int(r) for r in re.findall(r"\bR(\d+)\b", text)]
+    if (op.startswith(("SYNCS", "BAR", "BRA", "WARPGROUP", "ST", "RED", "ATOM")) or not fields
+            or not re.match(r"R\d+", fields[0])):
+        return [], [r for f in fields for r in regs(f)]
+    dest = regs(fields[0])
+    wide = re.search(r"\.(64|128)\b", op)
+    if wide and op.startswith("LD"):  # vector loads write consecutive registers
+        dest = list(range(dest[0], dest[0] + int(wide.group(1)) // 32))
+    return dest, [r for f in fields[1:] for r in regs(f)]
+
+
+def registers_live_through(sass: List[str], lo: int, hi: int) -> List[int]:
+    """Registers that the loop sass[lo:hi + 1] neither reads nor writes but the code after it
+    reads before writing them: values held across every pass of the loop for later (a linear
+    walk of the code after the loop, branches ignored; an estimate, not a liveness analysis)."""
+    in_loop = set()
+    for line in sass[lo:hi + 1]:
+        d, u = _defs_uses(line)
+        in_loop |= set(d) | set(u)
+    written, live = set(), set()
+    for line in sass[hi + 1:]:
+        d, u = _defs_uses(line)
+        live |= {r for r in u if r not in written and r not in in_loop}
+        written |= set(d)
+    return sorted(live)
