@@ -401,11 +401,12 @@ class FastSm90Forward:
         where the compiler hoisted them and held them in 16 registers (hd128) through every
         key block. With those registers taken, ptxas put the softmax's temporaries in P's
         registers and so the P V wait before the exponentials (sm_90a SASS, hd128 non-causal:
-        40 instructions after the S wait, all 66 exponentials behind it; per tile: 114
-        instructions, 61 of 66). H200, CUDA-graph replays interleaved (repros of docs section
-        32), time per tile / hoisted: hd128 1k / 4k / 16k 0.994 / 0.979 / 0.986, hd64 4k / 16k
-        0.990 / 0.990, causal 1.005-1.008. DUALATTN_SM90_STAGING_PER_TILE=0 hoists them again
-        (comparisons)."""
+        the wait 40 instructions after the S wait, before all 66 exponentials; with the
+        addresses per tile 114 instructions after it, behind 5 of them). H200, CUDA-graph
+        replays interleaved (ci/sm90_env_ab.py, docs section 32), time per tile / hoisted:
+        hd128 1k / 4k / 16k 0.994 / 0.979 / 0.986 (a second run: 1k / 4k / 8k 0.993 / 0.913 /
+        0.976), hd64 4k / 16k 0.990 / 0.990, causal 0.99-1.01. DUALATTN_SM90_STAGING_PER_TILE=0
+        hoists them again (comparisons)."""
         return _STAGING_PER_TILE_ENV != "0"
 
     @staticmethod

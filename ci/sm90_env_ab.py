@@ -1,0 +1,73 @@
+"""fast-sm90 A/B of two knob settings on given dense cells (GPU only): CUDA-graph replays of both
+kernels, captured once each, timed interleaved in five rounds (medians; L2 flushed before each).
+
+    python ci/sm90_env_ab.py A B CELL...
+    python ci/sm90_env_ab.py "" "_STAGING_PER_TILE_ENV=0" 16,1024,16,128,0 4,4096,32,64,0
+
+A and B: ';'-separated NAME=VALUE settings, NAME a module global of dualattn.fast.sm90 (the knobs'
+``_..._ENV`` values, e.g. _PERSISTENT_ENV=1) or an environment variable read per call
+(DUALATTN_SM90_TILES=256:64,2); "" is the default. CELL: batch,seqlen,heads,head_dim,causal (0/1),
+query and key lengths equal. Prints each cell's TFLOP/s both ways and time B / time A (above 1: B
+is slower). ci/sm90_grid_ab.py runs one knob over a fixed set of the bench's cells; this runs any
+two settings over any cells."""
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+
+import dualattn.fast.sm90 as sm90
+from dualattn import bench as B
+
+
+def apply(setting: str) -> None:
+    for kv in filter(None, setting.split(";")):
+        k, v = kv.split("=", 1)
+        if k.startswith("_"):
+            setattr(sm90, k, v)
+        else:
+            os.environ[k] = v
+
+
+def clear(*settings: str) -> None:
+    for kv in filter(None, ";".join(settings).split(";")):
+        k = kv.split("=", 1)[0]
+        if k.startswith("_"):
+            setattr(sm90, k, "")
+        else:
+            os.environ.pop(k, None)
+
+
+def main(a: str, b: str, cells) -> None:
+    warnings.filterwarnings("ignore")
+    impl = sm90.FORWARD
+    timer = B.Timer(warmup=3, reps=10)
+    print(torch.cuda.get_device_name(0), flush=True)
+    for text in cells:
+        batch, seqlen, heads, head_dim, causal = (int(x) for x in text.split(","))
+        cell = B.Cell("fwd", "dense", batch, seqlen, seqlen, heads, heads, head_dim, causal=causal == 1)
+        inp = B.make_inputs(cell)
+        flops = B.work(cell)[0]
+        graphs = {}
+        for name, setting in (("A", a), ("B", b)):
+            clear(a, b)
+            apply(setting)
+            impl._entries.clear()  # the launch memo would hand back the other setting's kernel
+            runner = B.dualattn_runner(impl, inp, False)
+            runner.fn()
+            graphs[name] = B.cuda_graph_replay(runner.fn)
+        clear(a, b)
+        ms = {"A": [], "B": []}
+        for _ in range(5):
+            for name in ("A", "B"):
+                ms[name].append(timer.time_ms(graphs[name])[0])
+        ta, tb = statistics.median(ms["A"]), statistics.median(ms["B"])
+        print(f"{cell.label():45s} A {flops / ta / 1e9:7.1f}  B {flops / tb / 1e9:7.1f} TFLOP/s  "
+              f"time B/A {tb / ta:.3f}", flush=True)
+        del inp, graphs
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
