@@ -167,7 +167,7 @@ def test_plain_noncausal_128_row_tiles_take_q_from_registers(tmp_path):
             assert "0 bytes spill stores" in log
 
 
-# (config, plain 128-row tile with Q in registers or 192-row tile, causal)
+# (id, spec): the 128-row tile with Q in registers, hd64's 192-row tile, a causal tile, hd256's slot
 LIVE_CONFIGS = [("hd128", _spec(128, False, 8192)), ("hd64-3wg", _spec(64, False, 8192)),
                 ("hd128-causal", _spec(128, True, 8192)), ("hd256", _spec(256, False, 8192))]
 
