@@ -62,6 +62,7 @@ _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.
 _PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .pass_empty_wg
 _O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.shared_o_slot
 _STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # see .staging_per_tile
+_NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .narrow_first
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -409,6 +410,19 @@ class FastSm90Forward:
         hoists them again (comparisons)."""
         return _STAGING_PER_TILE_ENV != "0"
 
+    @classmethod
+    def narrow_first(cls, spec) -> bool:
+        """A consumer warpgroup whose rows see none of the upper half of the tile's first key
+        block computes only its lower half there (FlashFwdSm90.narrow_first): an N = tile_n / 2
+        Q K^T and half the exponentials. With a right bound (causal, windows) the first block
+        is the diagonal, and the first warpgroup's 64 rows of a 128-key diagonal see its first
+        64 keys. Dense configs with the intra-warpgroup overlap; not key ranges or CSR, whose
+        first block comes from a plan. DUALATTN_SM90_NARROW_FIRST=0 turns it off (comparisons)."""
+        _, tile_n, _, _, overlap, _, _ = cls.config(spec)
+        return (_NARROW_FIRST_ENV != "0" and overlap and (tile_n // 2) % 8 == 0
+                and (spec.causal or spec.window[1] >= 0)
+                and not (spec.has_key_ranges or spec.has_block_sparse))
+
     @staticmethod
     def mask_flags(spec) -> Tuple[bool, bool, bool]:
         """(left window bound, right window bound, softcap): which code paths are compiled in.
@@ -448,7 +462,7 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
-                self.shared_o_slot(spec), self.staging_per_tile(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -825,7 +839,8 @@ class FastSm90Forward:
                             q_regs=self.q_regs(spec), pass_empty_wg=self.pass_empty_wg(spec),
                             rotate_m_blocks=self.rotate_m_blocks(spec),
                             shared_o_slot=self.shared_o_slot(spec),
-                            staging_per_tile=self.staging_per_tile(spec))
+                            staging_per_tile=self.staging_per_tile(spec),
+                            narrow_first=self.narrow_first(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -181,8 +181,16 @@ class FlashFwdSm90:
                  reduce_chains: int = 1, wg_key_bound: bool = False, split_tail: bool = False,
                  bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False,
                  pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
-                 shared_o_slot: bool = False, staging_per_tile: bool = True):
+                 shared_o_slot: bool = False, staging_per_tile: bool = True,
+                 narrow_first: bool = False):
         self.dtype = dtype
+        # a warpgroup whose rows see no key of the upper half of the tile's first key block
+        # (the diagonal of causal tiles: the first warpgroup's 64 rows see its first 64 keys)
+        # computes that block's Q K^T and softmax on the lower half only (an N = tile_n / 2
+        # wgmma), with P's upper half zero for the P V
+        assert not narrow_first or (overlap and (tile_n // 2) % 8 == 0 and (causal or window_right)
+                                    and num_key_ranges == 0 and not block_sparse)
+        self.narrow_first = narrow_first
         # each thread's shared-memory addresses for O's staging computed in the epilogue of
         # every tile (fast/common/codegen.per_use_i32) instead of once, before the tile loop
         self.staging_per_tile = staging_per_tile
@@ -1067,6 +1075,21 @@ class FlashFwdSm90:
             tSrQ = wg_slice_qk.make_fragment_A(wg_slice_qk.partition_A(sQ))    # (MMA, 1, D/16[, st])
         tSrK = wg_slice_qk.make_fragment_B(wg_slice_qk.partition_B(sK))        # (MMA, 1, D/16, st)
         tOrVt = wg_slice_pv.make_fragment_B(wg_slice_pv.partition_B(sVt))      # (MMA, 1, BN/16, st)
+        tiled_mma_qk_narrow, tSrK_narrow, narrow_acc_layout = None, None, None
+        if const_expr(self.narrow_first):
+            # the first BN / 2 keys of every K stage, as an N = BN / 2 wgmma's B operand
+            tiled_mma_qk_narrow = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN // 2),
+                a_source=warpgroup.OperandSource.RMEM if const_expr(self.q_regs) else warpgroup.OperandSource.SMEM)
+            sK_lower = cute.composition(
+                sK, cute.make_layout((BN // 2, D, self.num_stages), stride=(1, BN, BN * D)))
+            wg_slice_narrow = tiled_mma_qk_narrow.get_slice(wg * 128)
+            tSrK_narrow = wg_slice_narrow.make_fragment_B(wg_slice_narrow.partition_B(sK_lower))
+            # its accumulator is the first half of the full one's registers (column blocks of 8
+            # in order: wgmma's register layout), so the softmax runs on a prefix view
+            narrow_acc_layout = cute.make_layout(
+                tiled_mma_qk_narrow.get_slice(tidx).partition_shape_C((BM, BN // 2)))
         acc_O = cute.make_rmem_tensor(thr_mma_pv.partition_shape_C((BM, Dv)), Float32)
         acc_O_mn = cute.make_tensor(acc_O.iterator, _acc_mn_layout(acc_O.layout))
         tOrP = cute.make_rmem_tensor(_frg_a_shape(thr_mma_qk.partition_shape_C((BM, BN))),
@@ -1173,7 +1196,9 @@ class FlashFwdSm90:
                            row_max=row_max, row_sum=row_sum, scale_log2=softmax_scale_log2,
                            m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, wg=wg,
                            win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
-                           softcap_val=softcap_val, kr=None, inter=None, corr_prev=corr_prev)
+                           softcap_val=softcap_val, kr=None, inter=None, corr_prev=corr_prev,
+                           tiled_mma_qk_narrow=tiled_mma_qk_narrow, tSrK_narrow=tSrK_narrow,
+                           narrow_acc_layout=narrow_acc_layout)
                 if const_expr(self.dynamic_mask):
                     n_blocks, visit, ctx.inter = self.visit_plan(
                         m_block, head_idx, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q,
@@ -1256,7 +1281,11 @@ class FlashFwdSm90:
                         # the right-masked ones, else the unmasked ones, else the left-masked ones
                         n_right, n_unmasked, n_left, _, first_masked = self.take_first_visit(
                             n_masked, n_blocks - n_masked - n_masked_left, n_masked_left)
-                        self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked)
+                        narrow = None
+                        if const_expr(self.narrow_first):
+                            narrow = self.first_block_is_narrow(ctx, n_block_max - 1)
+                        self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked,
+                                              narrow=narrow)
                         for i in cutlass.range(n_right, unroll=1):
                             kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
                                                              tOrP)
@@ -1904,19 +1933,59 @@ class FlashFwdSm90:
     # ---- with intra-warpgroup overlap ----------------------------------------------------------
     @cute.jit
     def first_half_block(self, ctx, n_block, kv_state, tOrP, masked=True,
-                         csr_mask_entry=True):
+                         csr_mask_entry=True, narrow=None):
         """S, mask and softmax of the first block (``masked``: a Python bool, or a run-time
         Boolean for dense tiles, which mask it only when it holds the key tail or a mask
-        boundary); its P V runs in the next step."""
+        boundary); its P V runs in the next step. ``narrow`` (narrow_first; run time): the
+        warpgroup's rows see none of the block's upper half keys, so only the lower half is
+        computed (the wgmma's issue, wait and reads of S stay inside one branch)."""
+        if const_expr(narrow is None):
+            self.first_block_scores(ctx, n_block, kv_state, tOrP, masked, csr_mask_entry, False)
+        else:
+            if narrow:
+                self.first_block_scores(ctx, n_block, kv_state, tOrP, True, csr_mask_entry, True)
+            else:
+                self.first_block_scores(ctx, n_block, kv_state, tOrP, masked, csr_mask_entry, False)
+
+    @cute.jit
+    def first_block_is_narrow(self, ctx, n_block):
+        """Whether this warpgroup's rows see no key in the upper half of block ``n_block``: one
+        past its last row's last visible key is at most the half's first key."""
+        last_row = self.q_pos(ctx.m_block * self.tile_m + 64 * ctx.wg + 63)
+        key_end = cutlass.min(ctx.seqlen_k, last_row + 1 + ctx.seqlen_k - self.q_count(ctx.seqlen_q)
+                              + ctx.win_right)
+        return key_end <= n_block * self.tile_n + self.tile_n // 2
+
+    @cute.jit
+    def first_block_scores(self, ctx, n_block, kv_state, tOrP, masked, csr_mask_entry,
+                           narrow: cutlass.Constexpr):
         ctx.pipe_k.consumer_wait(kv_state)
-        acc_S = self.qk(ctx, kv_state)
+        if const_expr(narrow):
+            acc_S = cute.make_rmem_tensor(ctx.thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                          Float32)
+            acc_S_lo = cute.make_tensor(acc_S.iterator, ctx.narrow_acc_layout)
+            self.gemm(ctx.tiled_mma_qk_narrow, acc_S_lo, ctx.tSrQ,
+                      ctx.tSrK_narrow[None, None, None, kv_state.index], True)
+        else:
+            acc_S = self.qk(ctx, kv_state)
         warpgroup.wait_group(0)
         ctx.pipe_k.consumer_release(kv_state)
-        self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
+        acc_S_sm = acc_S_mn
+        if const_expr(narrow):
+            self.apply_softcap(ctx, acc_S_lo)
+            acc_S_sm = cute.make_tensor(acc_S.iterator, _acc_mn_layout(ctx.narrow_acc_layout))
+        else:
+            self.apply_softcap(ctx, acc_S)
+        self.maybe_mask(ctx, acc_S_sm, n_block, masked, csr_mask_entry)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
-        self.online_softmax(ctx, acc_S_mn, corr)  # O is still zero: no rescale needed
+        self.online_softmax(ctx, acc_S_sm, corr)  # O is still zero: no rescale needed
+        if const_expr(narrow):
+            # P of the upper half's keys, which no row of this warpgroup sees
+            for c in cutlass.range_constexpr(cute.size(acc_S_sm, mode=[1]),
+                                             cute.size(acc_S_mn, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    acc_S_mn[r, c] = Float32(0.0)
         if const_expr(self.rescale_before_pv):
             ctx.corr_prev.store(corr.load())  # applied to the zero O before the first P V: harmless
         self.convert_P(acc_S, tOrP)
