@@ -899,6 +899,75 @@ def test_wg_key_block_end_hides_only_blocks_no_row_of_the_warpgroup_sees(d, sq, 
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("d,sq,window,hq,hkv", [
+    (128, 1000, (-1, -1), 4, 4),   # ping-pong, 128 x 128 tiles: the diagonal's first warpgroup
+    (64, 5000, (-1, -1), 4, 4),    # 3 warpgroups, 192 x 128 tiles
+    (256, 1000, (-1, -1), 4, 4),   # 128 x 64 tiles
+    (192, 1000, (-1, 77), 4, 4),   # 112-key tiles, a right window bound
+    (128, 48, (-1, -1), 32, 8),    # packed GQA rows
+])
+def test_narrow_first_block_holds_no_key_of_the_warpgroup_in_its_upper_half(d, sq, window, hq, hkv):
+    """first_block_is_narrow (the kernel's own code, compiled for the host): where it says a
+    warpgroup may compute only the lower half of key block n, none of the warpgroup's 64 rows sees
+    a key in the upper half, over random shapes, offsets and every block a tile visits. And it is
+    not vacuous: it holds for the first warpgroup's diagonal block of causal tiles."""
+    import random
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+    from dualattn.fast.sm90.flash_fwd import _Ctx
+
+    causal = window == (-1, -1)
+    base = AttentionSpec("batched", 1, sq, sq, hq, hkv, d, d, torch.bfloat16, "cuda", causal=causal,
+                         window=window, return_lse=True)
+    assert FastSm90Forward.narrow_first(base)
+    kern = FastSm90Forward().make_kernel(base)
+    g, bm, bn = kern.pack_gqa, kern.tile_m, kern.tile_n
+    wgs = bm // 64
+    nb = -(-3 * sq // bn) + 8  # enough key blocks for any drawn seqlen_k
+
+    @cute.jit
+    def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win_right: Int32, num_m: Int32):
+        out = cute.make_tensor(out_ptr, cute.make_layout((num_m, wgs, nb), stride=(wgs * nb, nb, 1)))
+        for m in cutlass.range(num_m, unroll=1):
+            for w in cutlass.range_constexpr(wgs):
+                ctx = _Ctx(m_block=m, wg=w, seqlen_q=rows, seqlen_k=seqlen_k, win_right=win_right)
+                for n in cutlass.range(nb, unroll=1):
+                    out[m, w, n] = Int32(kern.first_block_is_narrow(ctx, n))
+
+    fn = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0)
+    rng = random.Random(11)
+    narrow_seen = 0
+    for trial in range(40):
+        sq_ = sq if trial == 0 else rng.randint(1, sq)
+        sk = sq_ if trial == 0 else rng.choice(
+            [sq_, rng.randint(1, 3 * sq_ + 200), sq_ + rng.choice([1, 31, 32, 33, 63, 64, 65, 113]),
+             sq_ + rng.randint(0, 2 * bn)])
+        spec = replace(base, seqlen_q=sq_, seqlen_k=sk)
+        _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
+        num_m = -(-(g * sq_) // bm)
+        out = torch.full((num_m, wgs, nb), -7, dtype=torch.int32)
+        fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq_, sk, wr, num_m)
+        assert int(out.min()) >= 0
+        offs = sk - sq_
+        for m in range(num_m):
+            last_q = min((m * bm + bm - 1) // g, sq_ - 1)
+            n_block_max = min(-(-sk // bn), -(-max(last_q + 1 + offs + wr, 0) // bn))
+            for w in range(wgs):
+                qs = {(m * bm + 64 * w + r) // g for r in range(64) if m * bm + 64 * w + r < g * sq_}
+                last_seen = max((min(i + offs + wr, sk - 1) for i in qs), default=-1)
+                for n in range(n_block_max):
+                    if out[m, w, n]:
+                        assert last_seen < n * bn + bn // 2, (sq_, sk, m, w, n, last_seen)
+                        narrow_seen += n == n_block_max - 1
+                if trial == 0 and causal and g == 1 and w == 0 and (m * bm) % bn == 0 \
+                        and m * bm + 63 < sq_:
+                    # the aligned diagonal: warpgroup 0's rows see the block's first 64 keys
+                    assert out[m, 0, n_block_max - 1], (m, n_block_max)
+    assert narrow_seen > 10
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
 def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     """Each warpgroup's own key bound is on by default for right-bounded configs without
     ping-pong (D > 128) except hd256's 80-wide key tiles (causal from 8k queries, where it

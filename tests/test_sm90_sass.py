@@ -189,3 +189,43 @@ def test_steady_loop_holds_no_epilogue_addresses(name, spec, staging_per_tile, t
         assert len(live) >= 16, live
     else:
         assert len(live) <= 4, live
+
+
+def _hgmma_shapes(lines):
+    """HGMMA instructions by shape (e.g. '64x128x16')."""
+    shapes = {}
+    for ln in lines:
+        m = re.search(r"HGMMA\.(\d+x\d+x\d+)", ln)
+        if m:
+            shapes[m.group(1)] = shapes.get(m.group(1), 0) + 1
+    return shapes
+
+
+# (id, spec): ping-pong causal, 3-warpgroup causal, hd256's 64-key tiles with a right window bound
+NARROW_CONFIGS = [("hd128-causal", _spec(128, True, 1024)), ("hd64-causal-3wg", _spec(64, True, 8192)),
+                  ("hd256-window", _spec(256, False, 2048, window=(-1, 100)))]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,spec", NARROW_CONFIGS, ids=[c[0] for c in NARROW_CONFIGS])
+def test_narrow_first_block_is_one_half_width_q_k_outside_the_steady_loop(name, spec, tmp_path,
+                                                                        monkeypatch):
+    """narrow_first adds one Q K^T of N = tile_n / 2 (D / 16 HGMMA) for the tile's first block and
+    nothing else: against DUALATTN_SM90_NARROW_FIRST=0 the kernel's HGMMA differ by exactly those,
+    and the steady key-block loop's are the same."""
+    import dualattn.fast.sm90 as sm90
+    assert FastSm90Forward.narrow_first(spec)
+    tile_n = FastSm90Forward.config(spec)[1]
+    half = f"64x{tile_n // 2}x16"
+    found = {}
+    for knob in ("", "0"):
+        monkeypatch.setattr(sm90, "_NARROW_FIRST_ENV", knob)
+        log, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
+        assert "serialized" not in log and "C7517" not in log
+        lo, hi = steady_loop(sass)
+        found[knob] = (_hgmma_shapes(sass), _hgmma_shapes(sass[lo:hi + 1]))
+    (all_on, loop_on), (all_off, loop_off) = found[""], found["0"]
+    added = {k: all_on.get(k, 0) - all_off.get(k, 0) for k in set(all_on) | set(all_off)}
+    assert {k: v for k, v in added.items() if v} == {half: spec.head_dim // 16}, (all_on, all_off)
+    assert loop_on == loop_off
