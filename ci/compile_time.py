@@ -1,6 +1,7 @@
 """First-call compile time of the fast-sm90 forward kernels the bench's dense cells use (GPU only).
 
     python ci/compile_time.py            # hd 64 / 128 / 256, causal and not, 1k and 16k queries
+    python ci/compile_time.py 256,1      # only these (head dim, causal 0/1) cells
 
 Each config is compiled in a fresh process with its own empty kernel cache
 (DUALATTN_CACHE_DIR), so nothing is loaded from disk: the figure is the first call of
@@ -48,7 +49,8 @@ def run(args, cache):
 
 def main() -> None:
     worst = 0.0
-    for d, causal in CELLS:
+    cells = [(int(a.split(",")[0]), a.split(",")[1] == "1") for a in sys.argv[1:]] or CELLS
+    for d, causal in cells:
         for s in SEQLENS:
             with tempfile.TemporaryDirectory() as cache:
                 os.chmod(cache, 0o700)
