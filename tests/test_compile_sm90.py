@@ -102,7 +102,7 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, True, False, 2, False, True, True, 1, False, False, 8.0,
+                   False, False, False, False, True, True, False, 2, False, True, False, 1, False, False, 8.0,
                    False, L2_SECTION_BYTES, 1, True, "sm_90a")
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
@@ -111,7 +111,7 @@ def test_compile_key_is_explicit_and_shape_free():
     # .rotate_m_blocks: their sum, index 21; one O slot the warpgroups share,
     # FastSm90Forward.shared_o_slot, index 22; O's staging addresses computed per tile,
     # FastSm90Forward.staging_per_tile, index 23; a warpgroup's first key block on its lower
-    # half only, FastSm90Forward.narrow_first, index 24)
+    # half only, FastSm90Forward.narrow_first, index 24: off at D > 128)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -906,12 +906,15 @@ def test_wg_key_block_end_hides_only_blocks_no_row_of_the_warpgroup_sees(d, sq, 
     (192, 1000, (-1, 77), 4, 4),   # 112-key tiles, a right window bound
     (128, 48, (-1, -1), 32, 8),    # packed GQA rows
 ])
-def test_narrow_first_block_holds_no_key_of_the_warpgroup_in_its_upper_half(d, sq, window, hq, hkv):
+def test_narrow_first_block_holds_no_key_of_the_warpgroup_in_its_upper_half(d, sq, window, hq, hkv,
+                                                                          monkeypatch):
     """first_block_is_narrow (the kernel's own code, compiled for the host): where it says a
     warpgroup may compute only the lower half of key block n, none of the warpgroup's 64 rows sees
     a key in the upper half, over random shapes, offsets and every block a tile visits. And it is
-    not vacuous: it holds for the first warpgroup's diagonal block of causal tiles."""
+    not vacuous: it holds for the first warpgroup's diagonal block of causal tiles. (On by default
+    at D <= 128; D > 128 runs with DUALATTN_SM90_NARROW_FIRST=1.)"""
     import random
+    import dualattn.fast.sm90 as sm90
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
     from dualattn.fast.sm90.flash_fwd import _Ctx
@@ -919,6 +922,8 @@ def test_narrow_first_block_holds_no_key_of_the_warpgroup_in_its_upper_half(d, s
     causal = window == (-1, -1)
     base = AttentionSpec("batched", 1, sq, sq, hq, hkv, d, d, torch.bfloat16, "cuda", causal=causal,
                          window=window, return_lse=True)
+    assert FastSm90Forward.narrow_first(base) == (d <= 128)
+    monkeypatch.setattr(sm90, "_NARROW_FIRST_ENV", "1")
     assert FastSm90Forward.narrow_first(base)
     kern = FastSm90Forward().make_kernel(base)
     g, bm, bn = kern.pack_gqa, kern.tile_m, kern.tile_n

@@ -215,17 +215,18 @@ def test_narrow_first_block_is_one_half_width_q_k_outside_the_steady_loop(name, 
     nothing else: against DUALATTN_SM90_NARROW_FIRST=0 the kernel's HGMMA differ by exactly those,
     and the steady key-block loop's are the same."""
     import dualattn.fast.sm90 as sm90
+    monkeypatch.setattr(sm90, "_NARROW_FIRST_ENV", "1")  # (hd256: off by default)
     assert FastSm90Forward.narrow_first(spec)
     tile_n = FastSm90Forward.config(spec)[1]
     half = f"64x{tile_n // 2}x16"
     found = {}
-    for knob in ("", "0"):
+    for knob in ("1", "0"):
         monkeypatch.setattr(sm90, "_NARROW_FIRST_ENV", knob)
         log, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
         assert "serialized" not in log and "C7517" not in log
         lo, hi = steady_loop(sass)
         found[knob] = (_hgmma_shapes(sass), _hgmma_shapes(sass[lo:hi + 1]))
-    (all_on, loop_on), (all_off, loop_off) = found[""], found["0"]
+    (all_on, loop_on), (all_off, loop_off) = found["1"], found["0"]
     added = {k: all_on.get(k, 0) - all_off.get(k, 0) for k in set(all_on) | set(all_off)}
     assert {k: v for k, v in added.items() if v} == {half: spec.head_dim // 16}, (all_on, all_off)
     assert loop_on == loop_off

@@ -417,16 +417,20 @@ class FastSm90Forward:
         Q K^T and half the exponentials. With a right bound (causal, windows) the first block
         is the diagonal, and the first warpgroup's 64 rows of a 128-key diagonal see its first
         64 keys. Dense configs with the intra-warpgroup overlap; not key ranges or CSR, whose
-        first block comes from a plan. H200, CUDA-graph A/B (ci/sm90_env_ab.py, two runs, docs
-        section 33), time on / off: hd128 causal 1k 0.987 / 0.987, 2k 0.993 / 0.996, 4k 0.990
-        (the other run's 0.90 was the clock), 8k 0.989; hd64 causal 1k 0.988 / 0.987, 2k
-        0.999 / 0.999, 4k 0.989; hd256 causal 1k 1.004 / 0.995, 2k 0.998. No spills; compile
+        first block comes from a plan. CUDA-graph A/B (ci/sm90_env_ab.py, docs section 33), time
+        on / off: H200 (two runs) hd128 causal 1k 0.987 / 0.987, 2k 0.993 / 0.996, 4k 0.990,
+        8k 0.989; hd64 causal 1k 0.988 / 0.987, 2k 0.999 / 0.999, 4k 0.989. H100: hd128 causal
+        1k / 2k / 4k 0.972 / 0.991 / 1.009, hd64 causal 1k / 2k 0.988 / 1.002. So on at
+        D <= 128 (128-key tiles). At hd256 (64-key tiles, half of a 64-key block) it read
+        0.995-1.004 on the H200 and 1.002 / 1.007 on the H100: off there. No spills; compile
         time level; the steady loop's GEMMs are the same (tests/test_sm90_sass.py).
-        DUALATTN_SM90_NARROW_FIRST=0 turns it off (comparisons)."""
+        DUALATTN_SM90_NARROW_FIRST=0 turns it off, =1 on wherever it applies (comparisons)."""
         _, tile_n, _, _, overlap, _, _ = cls.config(spec)
-        return (_NARROW_FIRST_ENV != "0" and overlap and (tile_n // 2) % 8 == 0
-                and (spec.causal or spec.window[1] >= 0)
-                and not (spec.has_key_ranges or spec.has_block_sparse))
+        if _NARROW_FIRST_ENV == "0" or not (overlap and (tile_n // 2) % 8 == 0):
+            return False
+        if not (spec.causal or spec.window[1] >= 0) or spec.has_key_ranges or spec.has_block_sparse:
+            return False
+        return spec.head_dim <= 128 or _NARROW_FIRST_ENV == "1"
 
     @staticmethod
     def mask_flags(spec) -> Tuple[bool, bool, bool]:
