@@ -102,8 +102,8 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, True, False, 2, False, True, False, 1, False, False, 8.0,
-                   False, L2_SECTION_BYTES, 1, True, "sm_90a")
+                   False, False, False, False, True, True, False, 2, False, True, False, False, 1, False, False,
+                   8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -111,7 +111,8 @@ def test_compile_key_is_explicit_and_shape_free():
     # .rotate_m_blocks: their sum, index 21; one O slot the warpgroups share,
     # FastSm90Forward.shared_o_slot, index 22; O's staging addresses computed per tile,
     # FastSm90Forward.staging_per_tile, index 23; a warpgroup's first key block on its lower
-    # half only, FastSm90Forward.narrow_first, index 24: off at D > 128)
+    # half only, FastSm90Forward.narrow_first, index 24: off at D > 128; the diagnostics' phase
+    # trace, FastSm90Forward.trace_phases, index 25)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -1155,3 +1156,27 @@ def test_tile_info_leaves_the_decode_to_the_producer(d, causal, monkeypatch):
         ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
         counts[flag] = len(re.findall(r"^\s*(?:div|rem)\.[su]32", ptx, flags=re.M))
     assert counts["1"] <= 2 * counts["0"] // 3, counts
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_phase_trace_is_a_separate_build_only_where_its_stamps_fit(monkeypatch):
+    """The phase trace (ci/phase_trace.py) is off unless fast/sm90.TRACE_PHASES is set; then dense
+    batched calls that return the LSE build with 5 clock stamps per consumer warpgroup and tile
+    (each reads %clock, %smid, %globaltimer_lo), under its own compile key; varlen, packed GQA
+    rows, key ranges and calls without LSE never trace (their LSE rows are not the tile's)."""
+    import dualattn.fast.sm90 as sm90
+    spec = _spec(128, True, sq=2048, sk=2048, return_lse=True)
+    assert not FastSm90Forward.trace_phases(spec)
+    plain_key = FORWARD.compile_key(spec, 90)
+    assert "%clock" not in FORWARD.compile_only(spec, arch=90).__ptx__
+    monkeypatch.setattr(sm90, "TRACE_PHASES", True)
+    assert FastSm90Forward.trace_phases(spec)
+    assert FORWARD.compile_key(spec, 90) != plain_key
+    ptx = FORWARD.compile_only(spec, arch=90).__ptx__
+    assert ptx.count("%clock;") == 5 and ptx.count("%smid;") == 5 and ptx.count("%globaltimer_lo;") == 5
+    never = [_spec(128, True, sq=2048, sk=2048, return_lse=False),
+             _spec(128, True, sq=48, sk=2048, return_lse=True),
+             _spec(128, True, sq=2048, sk=2048, num_key_ranges=1, return_lse=True)]
+    assert FastSm90Forward.pack_gqa(never[1]) > 1
+    assert not any(FastSm90Forward.trace_phases(s) for s in never)

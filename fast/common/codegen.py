@@ -15,3 +15,16 @@ def per_use_i32(x: Int32, *, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(
         T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _read_special(reg: str, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(T.i32(), [], f"mov.u32 $0, %{reg};", "=r", has_side_effects=True,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def trace_registers(*, loc=None, ip=None):
+    """(%clock, %smid, %globaltimer_lo) of the calling thread, each read where it is called: the
+    stamps of a kernel's phase trace (diagnostics; fast/sm90 trace_phases)."""
+    return (_read_special("clock", loc, ip), _read_special("smid", loc, ip),
+            _read_special("globaltimer_lo", loc, ip))

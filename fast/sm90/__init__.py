@@ -63,6 +63,9 @@ _PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .p
 _O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.shared_o_slot
 _STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # see .staging_per_tile
 _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .narrow_first
+# diagnostics only, set by ci/phase_trace.py (never an environment variable: a traced kernel
+# returns phase stamps in place of the LSE); see FastSm90Forward.trace_phases
+TRACE_PHASES = False
 # keys a tile must visit to be cut (tile_order.STREAM_K_MIN_KEYS; tests: 0 cuts small shapes)
 _STREAM_K_MIN_KEYS_ENV = os.environ.get("DUALATTN_SM90_STREAM_K_MIN_KEYS", "")
 
@@ -432,6 +435,16 @@ class FastSm90Forward:
             return False
         return spec.head_dim <= 128 or _NARROW_FIRST_ENV == "1"
 
+    @classmethod
+    def trace_phases(cls, spec) -> bool:
+        """Diagnostics (ci/phase_trace.py sets TRACE_PHASES): the kernel writes each consumer
+        warpgroup's phase stamps per tile (FlashFwdSm90.trace_phase) into the LSE buffer instead
+        of the LSE. Dense batched calls that return the LSE, with the intra-warpgroup overlap and
+        without packed GQA rows."""
+        return (TRACE_PHASES and spec.mode == "batched" and cls.writes_lse(spec)
+                and cls.config(spec)[4] and cls.pack_gqa(spec) == 1
+                and not (spec.has_key_ranges or spec.has_block_sparse))
+
     @staticmethod
     def mask_flags(spec) -> Tuple[bool, bool, bool]:
         """(left window bound, right window bound, softcap): which code paths are compiled in.
@@ -471,7 +484,7 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
-                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -849,7 +862,8 @@ class FastSm90Forward:
                             rotate_m_blocks=self.rotate_m_blocks(spec),
                             shared_o_slot=self.shared_o_slot(spec),
                             staging_per_tile=self.staging_per_tile(spec),
-                            narrow_first=self.narrow_first(spec))
+                            narrow_first=self.narrow_first(spec),
+                            trace_phases=self.trace_phases(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -46,7 +46,7 @@ from cutlass.utils import LayoutEnum
 
 from cutlass import Boolean
 
-from dualattn.fast.common.codegen import per_use_i32
+from dualattn.fast.common.codegen import per_use_i32, trace_registers
 from dualattn.fast.common.softmax import merge_scales, mul_rn, tree_reduce
 from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
@@ -137,6 +137,10 @@ def _frg_a_shape(acc_shape):
     return ((2, 2, 2), 1, acc_shape[0][2] // 2)
 
 
+# trace_phases: the stamps' rows within each warpgroup's 64 LSE rows (ci/phase_trace.py reads them)
+TRACE_SLOTS = dict(smid=0, start=1, gtime=2, n_blocks=3, q_ready=4, first_block=5, last_pv=6, end=7)
+
+
 class _Ctx:
     """The per-tile state the main-loop helpers share (a plain trace-time namespace)."""
 
@@ -182,8 +186,14 @@ class FlashFwdSm90:
                  bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False,
                  pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
-                 narrow_first: bool = False):
+                 narrow_first: bool = False, trace_phases: bool = False):
         self.dtype = dtype
+        # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
+        # every tile (the SM clock, TRACE_SLOTS) into the first 8 of its rows of the LSE buffer,
+        # instead of the LSE; dense batched configs (unpacked rows) with the intra-warpgroup overlap
+        assert not trace_phases or (write_lse and overlap and not varlen and num_key_ranges == 0
+                                    and not block_sparse and pack_gqa == 1)
+        self.trace_phases = trace_phases
         # a warpgroup whose rows see no key of the upper half of the tile's first key block
         # (the diagonal of causal tiles: the first warpgroup's 64 rows see its first 64 keys)
         # computes that block's Q K^T and softmax on the lower half only (an N = tile_n / 2
@@ -1161,6 +1171,8 @@ class FlashFwdSm90:
                      tile, mQ, mK, win_left, win_right, vl, sk, window)
             if active:
                 n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+                trace_at = (mLSE, tidx, m_block, head_idx, batch_idx, wg, seqlen_q)
+                self.trace_phase(trace_at, TRACE_SLOTS["start"], n_blocks)
                 acc_O.fill(0.0)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
@@ -1213,6 +1225,7 @@ class FlashFwdSm90:
                 if const_expr(self.q_regs):
                     tQsQ_tile = tQsQ[None, None, None, q_state.index] if const_expr(self.q_stages > 1) else tQsQ
                     cute.copy(ld_q, tQsQ_tile, tQrQ)
+                self.trace_phase(trace_at, TRACE_SLOTS["q_ready"])
                 if const_expr(self.block_sparse):
                     # CSR visits in three runs, each with its mask decided at trace time
                     if n_blocks > 0:
@@ -1286,6 +1299,7 @@ class FlashFwdSm90:
                             narrow = self.first_block_is_narrow(ctx, n_block_max - 1)
                         self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked,
                                               narrow=narrow)
+                        self.trace_phase(trace_at, TRACE_SLOTS["first_block"])
                         for i in cutlass.range(n_right, unroll=1):
                             kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
                                                              tOrP)
@@ -1297,6 +1311,7 @@ class FlashFwdSm90:
                                 kv_state = self.overlapped_block(
                                     ctx, True, n_block_min + n_left - 1 - i, kv_state, tOrP)
                         kv_state = self.last_half_block(ctx, kv_state, tOrP)
+                        self.trace_phase(trace_at, TRACE_SLOTS["last_pv"])
 
                 if const_expr(self.separate_o):
                     # every GEMM reading Q has completed (wait_group(0) in the last step)
@@ -1321,11 +1336,13 @@ class FlashFwdSm90:
                                       tScS_mn, tiled_copy_O, sO_mn, softmax_scale_log2, m_block,
                                       head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
                                       epi_threads, vl)
+                        self.trace_phase(trace_at, TRACE_SLOTS["end"])
                 else:
                     self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
                                   tScS_mn, tiled_copy_O, sO_mn, softmax_scale_log2, m_block,
                                   head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
                                   epi_threads, vl)
+                    self.trace_phase(trace_at, TRACE_SLOTS["end"])
                 if const_expr(self.shared_o_slot):
                     # hand the slot on (a piece that did not store hands it on all the same): the
                     # warp that issued the store waits until the store has read it
@@ -1437,7 +1454,7 @@ class FlashFwdSm90:
                 acc_O_mn[r, c] = acc_O_mn[r, c] * inv
 
         # LSE: the first thread of each quad owns its two rows
-        if const_expr(self.write_lse) and tidx % 4 == 0:
+        if const_expr(self.write_lse and not self.trace_phases) and tidx % 4 == 0:
             for r in cutlass.range_constexpr(num_rows):
                 row = m_block * BM + tScS_mn[r, 0][0]
                 if row < seqlen_q:
@@ -1878,6 +1895,23 @@ class FlashFwdSm90:
         for r in cutlass.range_constexpr(cute.size(ctx.acc_O_mn, mode=[0])):
             for c in cutlass.range_constexpr(cute.size(ctx.acc_O_mn, mode=[1])):
                 ctx.acc_O_mn[r, c] = ctx.acc_O_mn[r, c] * corr[r]
+
+    @cute.jit
+    def trace_phase(self, at, slot: cutlass.Constexpr, n_blocks=None):
+        """(trace_phases) The warpgroup's first thread stamps the SM clock's low 24 bits (exact in
+        fp32) into LSE row 64 * wg + slot of the tile; at the tile's start also the SM id, the
+        global timer in 32 ns units (the clock's rate) and the tile's key-block count. Only where
+        the warpgroup's 8 stamp rows lie inside the sequence."""
+        if const_expr(self.trace_phases):
+            mLSE, tidx, m_block, head_idx, batch_idx, wg, seqlen_q = at
+            row0 = m_block * self.tile_m + 64 * wg
+            if tidx % 128 == 0 and row0 + len(TRACE_SLOTS) <= seqlen_q:
+                clock, smid, gtime = trace_registers()
+                mLSE[row0 + slot, head_idx, batch_idx] = Float32(clock & 0xFFFFFF)
+                if const_expr(n_blocks is not None):
+                    mLSE[row0 + TRACE_SLOTS["smid"], head_idx, batch_idx] = Float32(smid)
+                    mLSE[row0 + TRACE_SLOTS["gtime"], head_idx, batch_idx] = Float32((gtime >> 5) & 0xFFFFFF)
+                    mLSE[row0 + TRACE_SLOTS["n_blocks"], head_idx, batch_idx] = Float32(n_blocks)
 
     @cute.jit
     def sched_sync(self, ctx):
