@@ -23,8 +23,11 @@ the peers available in this process: cuDNN and FlashAttention-2 through torch SD
 FlexAttention (compiled), FlashAttention-4 (``flash_attn.cute``) when it imports. Times are
 medians of CUDA-event timings after warm-up, with the L2 cache flushed before each timed run; the
 rows of a cell (peers, ours, graph replays) are timed in the same rounds, one run of each per
-round in a rotated order, so that all of them meet the same power-limited SM clock (its median
-over the rounds is the row's note and ``sm_mhz`` in the JSON);
+round in a rotated order, so that all of them meet the same power-limited SM clock (the row's
+note and ``sm_mhz`` in the JSON: the median of NVML's reading after each round, i.e. between
+runs; under short kernels it shows the clock the GPU returns to, not the one they ran at: at
+hd128 1k the SM clock measured in the kernel was 1712-1760 MHz where this read 1980, docs
+section 33);
 TFLOP/s count only useful FLOPs (visible query/key pairs; backward = 2.5x forward FLOPs);
 decode reports TB/s of KV cache read. The eager timing starts its event after the L2 flush was
 queued, so host work that fits in the flush's time overlaps it: it shows the gaps between a call's
@@ -571,7 +574,7 @@ class Timer:
         rounds = max(3, min(self.reps, int(self.budget_s * len(fns) / spent)))
         times: List[List[float]] = [[] for _ in fns]
         failed: List[Optional[BaseException]] = [None] * len(fns)
-        self.clocks_mhz = []  # the SM clock after each round, where NVML answers
+        self.clocks_mhz = []  # the SM clock after each round (between runs), where NVML answers
         for r in range(rounds):
             for j in range(len(fns)):
                 i = (j + r) % len(fns)
@@ -647,7 +650,7 @@ class Result:
     unit: str = ""
     reps: int = 0
     maxdiff: Optional[float] = None  # forward output vs the cell's reference peer
-    sm_mhz: Optional[float] = None   # median SM clock over the cell's timing rounds (NVML)
+    sm_mhz: Optional[float] = None   # median SM clock read after each timing round (NVML)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -816,7 +819,7 @@ def format_row(r: Result, peers: Sequence[str], cell_results: Sequence[Result]) 
     ms = f"{r.ms:9.3f}" if r.ms is not None else f"{'-':>9s}"
     rate = f"{r.rate:8.1f}" if r.rate is not None else f"{'-':>8s}"
     diff = f"{r.maxdiff:8.1e}" if r.maxdiff is not None else f"{'':>8s}"
-    note = r.status[:90] if r.status != "ok" else f"SM {r.sm_mhz:.0f} MHz" if r.sm_mhz else ""
+    note = r.status[:90] if r.status != "ok" else f"SM {r.sm_mhz:.0f} MHz between runs" if r.sm_mhz else ""
     return f"{r.cell.label():44s} {r.impl:16s} {ms} {rate} {r.unit or '':7s} {' '.join(ratios)} {diff}  {note}"
 
 
