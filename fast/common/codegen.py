@@ -19,7 +19,8 @@ def per_use_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 
 def _read_special(reg: str, loc=None, ip=None) -> Int32:
     return Int32(llvm.inline_asm(T.i32(), [], f"mov.u32 $0, %{reg};", "=r", has_side_effects=True,
-                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
 
 
 @dsl_user_op
