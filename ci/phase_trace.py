@@ -13,7 +13,10 @@ prints, in SM clock cycles (medians):
 * per warpgroup and key-block count: the wait for Q, the first block (Q K^T, mask, softmax), the
   rest of the blocks (each overlapped block and the last P V), the epilogue, and the gap to the
   next tile (the tile coordinates' hand-over);
-* how far the second warpgroup runs behind the first (ping-pong wants half a block).
+* how far the second warpgroup runs behind the first (ping-pong wants half a block);
+* the producer warp, against the first warpgroup's tile start: when it reached the tile, when it
+  had Q's buffer and issued the Q load, when it had issued the tile's last K / V load (negative:
+  before the consumers began the tile).
 
 The traced build's time is printed beside the plain one's: the stamps (one thread per warpgroup,
 5 per tile) should not move it by more than a percent.
@@ -36,6 +39,7 @@ from dualattn.spec import AttentionSpec
 
 WRAP = 1 << 24  # the stamps keep 24 bits (exact in fp32)
 PHASES = ("q_wait", "first", "rest", "epilogue", "gap")
+PRODUCER = ("p_start", "p_q_issued", "p_kv_issued")  # the producer's stamps (warpgroup 0's rows)
 
 
 def _unwrap(values):
@@ -106,6 +110,9 @@ def analyse(rows):
             if i + 1 < len(rs):
                 p["gap"].append(rs[i + 1]["t"][0] - t4)
                 p["tile"].append(rs[i + 1]["t"][0] - t0)
+            if r["wg"] == 0:
+                for name in PRODUCER:  # signed, modulo the stamps' 24 bits
+                    p[name].append((r[name] - r["start"] + WRAP // 2) % WRAP - WRAP // 2)
     tiles = collections.defaultdict(dict)
     for r in rows:
         tiles[r["tile"]][r["wg"]] = r
@@ -132,12 +139,14 @@ def main() -> None:
         print(f"\n{cell}: plain {times['plain']:.4f} ms, traced {times['traced']:.4f} ms; SM clock "
               f"{med(mhz):.0f} MHz (min {min(mhz):.0f}, max {max(mhz):.0f}); warpgroup 1 starts a "
               f"tile {med(lag):.0f} cycles after warpgroup 0 (median)")
-        print("  wg blocks tiles " + " ".join(f"{p:>8s}" for p in PHASES) + "     tile  rest/nb")
+        print("  wg blocks tiles " + " ".join(f"{p:>8s}" for p in PHASES) + "     tile  rest/nb "
+              + " ".join(f"{p:>11s}" for p in PRODUCER))
         for (wg, nb), p in sorted(phases.items()):
             cols = " ".join(f"{med(p[k]):8.0f}" if p[k] else "       -" for k in PHASES)
             tile = med(p["tile"]) if p["tile"] else float("nan")
             rest = med(p["rest"]) / nb if nb else float("nan")
-            print(f"  {wg:2d} {nb:6d} {len(p['first']):5d} {cols} {tile:8.0f} {rest:8.0f}")
+            prod = " ".join(f"{med(p[k]):11.0f}" if p[k] else "          -" for k in PRODUCER)
+            print(f"  {wg:2d} {nb:6d} {len(p['first']):5d} {cols} {tile:8.0f} {rest:8.0f} {prod}")
 
 
 if __name__ == "__main__":

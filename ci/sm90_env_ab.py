@@ -7,7 +7,7 @@ kernels, captured once each, timed interleaved in five rounds (medians; L2 flush
 A and B: ';'-separated NAME=VALUE settings, NAME a module global of dualattn.fast.sm90 (the knobs'
 ``_..._ENV`` values, e.g. _PERSISTENT_ENV=1) or an environment variable read per call
 (DUALATTN_SM90_TILES=256:64,2); "" is the default. CELL: batch,seqlen,heads,head_dim,causal (0/1),
-query and key lengths equal. Prints each cell's TFLOP/s both ways and time B / time A (above 1: B
+query and key lengths equal, or one of the bench's mask cells by name (window, docs, sparse). Prints each cell's TFLOP/s both ways and time B / time A (above 1: B
 is slower). ci/sm90_grid_ab.py runs one knob over a fixed set of the bench's cells; this runs any
 two settings over any cells."""
 import os
@@ -19,6 +19,10 @@ import torch
 
 import dualattn.fast.sm90 as sm90
 from dualattn import bench as B
+
+
+# the bench's mask cells by group name (window 1024 causal 16k, 10 documents 16k, block-sparse)
+MASK_CELLS = {c.group: c for c in B.standard_matrix(("fwd",)) if c.group in ("window", "docs", "sparse")}
 
 
 def apply(setting: str) -> None:
@@ -45,8 +49,11 @@ def main(a: str, b: str, cells) -> None:
     timer = B.Timer(warmup=3, reps=10)
     print(torch.cuda.get_device_name(0), flush=True)
     for text in cells:
-        batch, seqlen, heads, head_dim, causal = (int(x) for x in text.split(","))
-        cell = B.Cell("fwd", "dense", batch, seqlen, seqlen, heads, heads, head_dim, causal=causal == 1)
+        if text in MASK_CELLS:
+            cell = MASK_CELLS[text]
+        else:
+            batch, seqlen, heads, head_dim, causal = (int(x) for x in text.split(","))
+            cell = B.Cell("fwd", "dense", batch, seqlen, seqlen, heads, heads, head_dim, causal=causal == 1)
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
         graphs = {}

@@ -39,6 +39,8 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
                                            # against in Q's buffer
     python ci/sm90_grid_ab.py tile_info    # tile coordinates from the producer against each
                                            # consumer decoding them (branch wip/tile-info-smem)
+    python ci/sm90_grid_ab.py tile_decoder # tile coordinates from a decoder warp against the TMA
+                                           # warp decoding them, on every cell
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
@@ -77,7 +79,8 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "q_regs": ("_Q_REGS_ENV", "0", "Q from shared memory"),
          "pass_empty_wg": ("_PASS_EMPTY_WG_ENV", None, "empty warpgroups"),  # 0 or pass
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains"),
-         "o_slot": ("_O_SLOT_ENV", "0", "O in Q's buffer")}  # value: the second argument
+         "o_slot": ("_O_SLOT_ENV", "0", "O in Q's buffer"),
+         "tile_decoder": ("_TILE_DECODER_ENV", "0", "TMA warp decodes")}  # value: the second argument
 
 
 def _set_tiles(_module, _attr, value):
@@ -160,6 +163,8 @@ def main(knob: str, tiles: str = ""):
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[1024, 2048, 4096])
     elif knob == "tile_info":  # the mask cells, and the dense / GQA cells to 4k (short tiles)
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], seqlens=[1024, 2048, 4096])
+    elif knob == "tile_decoder":  # every cell: the mask cells (and their CSR forms), dense, GQA
+        cells += B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob in ("reduce_chains", "q_regs"):  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob == "pass_empty_wg":  # 1088 = 8.5 tiles of 128 rows: the last one's second

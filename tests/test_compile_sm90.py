@@ -102,8 +102,8 @@ def test_compile_key_is_explicit_and_shape_free():
     assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
-                   False, False, False, False, True, True, False, 2, False, True, False, False, 1, False, False,
-                   8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
+                   False, False, False, False, True, True, False, 2, False, True, False, False, False, 1, False,
+                   False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -112,7 +112,8 @@ def test_compile_key_is_explicit_and_shape_free():
     # FastSm90Forward.shared_o_slot, index 22; O's staging addresses computed per tile,
     # FastSm90Forward.staging_per_tile, index 23; a warpgroup's first key block on its lower
     # half only, FastSm90Forward.narrow_first, index 24: off at D > 128; the diagnostics' phase
-    # trace, FastSm90Forward.trace_phases, index 25)
+    # trace, FastSm90Forward.trace_phases, index 25; the tiles' coordinates from a decoder warp,
+    # FastSm90Forward.tile_decoder, index 26)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
@@ -1009,6 +1010,38 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
+def test_tile_decoder_takes_the_coordinates_off_the_tma_warp(monkeypatch):
+    """FastSm90Forward.tile_decoder: on by default for persistent grids with tile_info, off
+    where a CTA runs one tile or with DUALATTN_SM90_TILE_DECODER=0 / tile_info off; its own
+    compile-key field (index 26). On, no loop that issues TMA loads divides (item_coords runs in
+    the decoder warp alone), where off the TMA warp's tile loop does; and the tile-info ring has
+    TILE_INFO_STAGES_DECODER stages (two more mbarriers per added stage)."""
+    import dualattn.fast.sm90 as sm90
+    from dualattn.fast.sm90.flash_fwd import TILE_INFO_STAGES, TILE_INFO_STAGES_DECODER
+    spec = _spec(128, True, sq=2048, sk=2048)
+    one_cta_per_tile = _spec(192, True, torch.float16)
+    assert FastSm90Forward.config(spec)[5] and not FastSm90Forward.config(one_cta_per_tile)[5]
+    assert FastSm90Forward.tile_decoder(spec) and not FastSm90Forward.tile_decoder(one_cta_per_tile)
+    key_on = FORWARD.compile_key(spec, 90)
+    ptx_on = FORWARD.compile_only(spec, arch=90).__ptx__
+    monkeypatch.setattr(sm90, "_TILE_INFO_ENV", "0")
+    assert not FastSm90Forward.tile_decoder(spec)
+    monkeypatch.setattr(sm90, "_TILE_INFO_ENV", "")
+    monkeypatch.setattr(sm90, "_TILE_DECODER_ENV", "0")
+    assert not FastSm90Forward.tile_decoder(spec)
+    key_off = FORWARD.compile_key(spec, 90)
+    assert [i for i, (a, b) in enumerate(zip(key_on, key_off)) if a != b] == [26]
+    ptx_off = FORWARD.compile_only(spec, arch=90).__ptx__
+    tma_loops = _loops_with(ptx_on, "cp.async.bulk.tensor")
+    assert tma_loops == _loops_with(ptx_off, "cp.async.bulk.tensor") >= 2
+    assert _loops_with(ptx_on, "cp.async.bulk.tensor", "div.") == tma_loops
+    assert _loops_with(ptx_off, "cp.async.bulk.tensor", "div.") == tma_loops - 1
+    added = 2 * (TILE_INFO_STAGES_DECODER - TILE_INFO_STAGES)
+    assert ptx_on.count("mbarrier.init") == ptx_off.count("mbarrier.init") + added
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
 def test_empty_warpgroups_pass_their_blocks_where_the_loop_is_plain(monkeypatch):
     """FastSm90Forward.pass_empty_wg: on for every config with the plain key-block loops (not key
     ranges or CSRs, which have their own); its own compile-key field (index 21, with the turned
@@ -1163,7 +1196,8 @@ def test_tile_info_leaves_the_decode_to_the_producer(d, causal, monkeypatch):
 def test_phase_trace_is_a_separate_build_only_where_its_stamps_fit(monkeypatch):
     """The phase trace (ci/phase_trace.py) is off unless fast/sm90.TRACE_PHASES is set; then dense
     batched calls that return the LSE build with 5 clock stamps per consumer warpgroup and tile
-    (each reads %clock, %smid, %globaltimer_lo), under its own compile key; varlen, packed GQA
+    and 3 of the producer warp's (each reads %clock, %smid, %globaltimer_lo), under its own
+    compile key; varlen, packed GQA
     rows, key ranges and calls without LSE never trace (their LSE rows are not the tile's)."""
     import dualattn.fast.sm90 as sm90
     spec = _spec(128, True, sq=2048, sk=2048, return_lse=True)
@@ -1174,7 +1208,7 @@ def test_phase_trace_is_a_separate_build_only_where_its_stamps_fit(monkeypatch):
     assert FastSm90Forward.trace_phases(spec)
     assert FORWARD.compile_key(spec, 90) != plain_key
     ptx = FORWARD.compile_only(spec, arch=90).__ptx__
-    assert ptx.count("%clock;") == 5 and ptx.count("%smid;") == 5 and ptx.count("%globaltimer_lo;") == 5
+    assert ptx.count("%clock;") == 8 and ptx.count("%smid;") == 8 and ptx.count("%globaltimer_lo;") == 8
     never = [_spec(128, True, sq=2048, sk=2048, return_lse=False),
              _spec(128, True, sq=48, sk=2048, return_lse=True),
              _spec(128, True, sq=2048, sk=2048, num_key_ranges=1, return_lse=True)]

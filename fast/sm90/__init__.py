@@ -63,6 +63,7 @@ _PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .p
 _O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.shared_o_slot
 _STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # see .staging_per_tile
 _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .narrow_first
+_TILE_DECODER_ENV = os.environ.get("DUALATTN_SM90_TILE_DECODER", "")  # see .tile_decoder
 # diagnostics only, set by ci/phase_trace.py (never an environment variable: a traced kernel
 # returns phase stamps in place of the LSE); see FastSm90Forward.trace_phases
 TRACE_PHASES = False
@@ -436,6 +437,18 @@ class FastSm90Forward:
         return spec.head_dim <= 128 or _NARROW_FIRST_ENV == "1"
 
     @classmethod
+    def tile_decoder(cls, spec) -> bool:
+        """A warp of the producer warpgroup decodes the tiles' coordinates ahead of time
+        (FlashFwdSm90.tile_decoder) for the TMA warp and the consumers, instead of the TMA warp
+        decoding each tile between the previous tile's last K / V load and this tile's Q load:
+        1200-2700 cycles a tile there at hd128 1k (phase trace, H100), while with two K / V
+        stages the consumers finish a tile 1400-1900 cycles after its last K / V is issued.
+        Persistent grids with tile_info. DUALATTN_SM90_TILE_DECODER=0|1 overrides (comparisons)."""
+        persistent = cls.config(spec)[5]
+        applies = persistent and cls.tile_info(spec)
+        return applies and _TILE_DECODER_ENV != "0"
+
+    @classmethod
     def trace_phases(cls, spec) -> bool:
         """Diagnostics (ci/phase_trace.py sets TRACE_PHASES): the kernel writes each consumer
         warpgroup's phase stamps per tile (FlashFwdSm90.trace_phase) into the LSE buffer instead
@@ -484,7 +497,7 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
-                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -863,7 +876,8 @@ class FastSm90Forward:
                             shared_o_slot=self.shared_o_slot(spec),
                             staging_per_tile=self.staging_per_tile(spec),
                             narrow_first=self.narrow_first(spec),
-                            trace_phases=self.trace_phases(spec))
+                            trace_phases=self.trace_phases(spec),
+                            tile_decoder=self.tile_decoder(spec))
 
     @staticmethod
     def arg_schema(spec):

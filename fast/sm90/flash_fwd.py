@@ -83,6 +83,7 @@ _BAR_O_SLOT = 8       # 8, 9: the shared O slot handed from one warpgroup to the
 TILE_INFO_FIELDS = ("m_block", "head", "head_kv", "batch", "n_block_min", "n_block_max",
                     "seqlen_q", "seqlen_k", "offset_q", "cut", "sk_slot")
 TILE_INFO_STAGES = 2
+TILE_INFO_STAGES_DECODER = 4  # with the decoder warp: it runs up to 4 tiles ahead of the consumers
 
 
 def _select(t: cute.Tensor, modes) -> cute.Tensor:
@@ -138,7 +139,10 @@ def _frg_a_shape(acc_shape):
 
 
 # trace_phases: the stamps' rows within each warpgroup's 64 LSE rows (ci/phase_trace.py reads them)
-TRACE_SLOTS = dict(smid=0, start=1, gtime=2, n_blocks=3, q_ready=4, first_block=5, last_pv=6, end=7)
+TRACE_SLOTS = dict(smid=0, start=1, gtime=2, n_blocks=3, q_ready=4, first_block=5, last_pv=6, end=7,
+                   # the producer warp's, in the first warpgroup's rows: it reaches the tile, it
+                   # has Q's buffer (the Q load issued), it has issued the tile's last K / V load
+                   p_start=8, p_q_issued=9, p_kv_issued=10)
 
 
 class _Ctx:
@@ -186,10 +190,10 @@ class FlashFwdSm90:
                  bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False,
                  pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
-                 narrow_first: bool = False, trace_phases: bool = False):
+                 narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
-        # every tile (the SM clock, TRACE_SLOTS) into the first 8 of its rows of the LSE buffer,
+        # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
         # instead of the LSE; dense batched configs (unpacked rows) with the intra-warpgroup overlap
         assert not trace_phases or (write_lse and overlap and not varlen and num_key_ranges == 0
                                     and not block_sparse and pack_gqa == 1)
@@ -201,6 +205,14 @@ class FlashFwdSm90:
         assert not narrow_first or (overlap and (tile_n // 2) % 8 == 0 and (causal or window_right)
                                     and num_key_ranges == 0 and not block_sparse)
         self.narrow_first = narrow_first
+        # tile_decoder: a warp of the producer warpgroup (warp 1) decodes the tiles' coordinates
+        # (item_coords: 1200-2700 cycles a tile at hd128 1k on the H100, phase trace) and hands
+        # them, up to info_stages tiles ahead, to the TMA warp and the consumers through shared
+        # memory; the TMA warp then goes from a tile's last K / V straight to the next tile's Q
+        assert not tile_decoder or tile_info
+        self.tile_decoder = tile_decoder
+        self.info_stages = TILE_INFO_STAGES_DECODER if tile_decoder else TILE_INFO_STAGES
+        self.info_fields = len(TILE_INFO_FIELDS) + (1 if tile_decoder else 0)  # + offset_k
         # each thread's shared-memory addresses for O's staging computed in the epilogue of
         # every tile (fast/common/codegen.per_use_i32) instead of once, before the tile loop
         self.staging_per_tile = staging_per_tile
@@ -338,7 +350,7 @@ class FlashFwdSm90:
                 "K": num_stages * tile_n * head_dim * dtype.width // 8,
                 "V": num_stages * tile_n * head_dim_v * dtype.width // 8,
             },
-            num_mbarriers=2 * (q_stages + 2 * num_stages) + (2 * TILE_INFO_STAGES if tile_info else 0),
+            num_mbarriers=2 * (q_stages + 2 * num_stages) + (2 * self.info_stages if tile_info else 0),
             arch=self.arch,
         )
         assert self.num_mma_regs * self.num_mma_wg * 128 + self.num_producer_regs * 128 <= 65536
@@ -422,8 +434,8 @@ class FlashFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sk_flag: cute.struct.MemRange[Int32, 4 if self.stream_k else 0]  # stream_k_merge
-            mbar_info: cute.struct.MemRange[cutlass.Int64, 2 * TILE_INFO_STAGES if self.tile_info else 0]
-            tile_info: cute.struct.MemRange[Int32, TILE_INFO_STAGES * len(TILE_INFO_FIELDS)
+            mbar_info: cute.struct.MemRange[cutlass.Int64, 2 * self.info_stages if self.tile_info else 0]
+            tile_info: cute.struct.MemRange[Int32, self.info_stages * self.info_fields
                                             if self.tile_info else 0]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_qo], 1024]
             sO: cute.struct.Align[cute.struct.MemRange[self.dtype, cosize_o], 1024]
@@ -601,14 +613,16 @@ class FlashFwdSm90:
         pipe_info = None
         s_info = None
         if const_expr(self.tile_info):
-            # written by the producer warp (its 32 lanes arrive), read by every consumer thread
+            # written by the producer warp (its 32 lanes arrive), read by every consumer thread;
+            # with the decoder warp written by it and read by the consumers and the TMA warp
+            readers = 128 * self.num_mma_wg + (32 if const_expr(self.tile_decoder) else 0)
             pipe_info = pipeline.PipelineAsync.create(
-                barrier_storage=storage.mbar_info.data_ptr(), num_stages=TILE_INFO_STAGES,
+                barrier_storage=storage.mbar_info.data_ptr(), num_stages=self.info_stages,
                 producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 128 * self.num_mma_wg),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, readers),
                 defer_sync=True)
             s_info = storage.tile_info.get_tensor(
-                cute.make_layout((len(TILE_INFO_FIELDS), TILE_INFO_STAGES)))
+                cute.make_layout((self.info_fields, self.info_stages)))
         # barrier init must be visible to every thread (and to the async proxy) before use
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -630,7 +644,10 @@ class FlashFwdSm90:
             if warp_idx == 0:
                 self.produce(tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                              pipe_q, pipe_k, pipe_v, win_left, win_right, vl, kr, bs, sk,
-                             pipe_info, s_info)
+                             pipe_info, s_info, mLSE)
+            if const_expr(self.tile_decoder):
+                if warp_idx == 1:
+                    self.decode_tiles(mQ, mK, win_left, win_right, vl, sk, pipe_info, s_info)
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
@@ -959,6 +976,37 @@ class FlashFwdSm90:
         return m_out, rest, valid & found
 
     @cute.jit
+    def masked_block_counts(self, m_block, n_block_min, n_block_max, seqlen_q, seqlen_k, win_left,
+                            win_right):
+        """(right, left): how many of a dense tile's key blocks [n_block_min, n_block_max) need
+        the element mask, at the top and at the bottom. The top ones: the key tail's block (one
+        running past seqlen_k; with seqlen_k a multiple of the key tile every block of a
+        non-causal tile runs unmasked: at 1k, hd128, the masked first block was one of a tile's
+        8) and, with a right bound, every block from the one holding the tile's first row's
+        last visible key + 1. The bottom ones (a left bound): the blocks that cross the window's
+        lower edge."""
+        BN = self.tile_n
+        n_blocks = cutlass.max(n_block_max - n_block_min, 0)
+        n_masked = Int32(0)
+        if n_block_max * BN > seqlen_k:
+            n_masked = Int32(1)
+        if const_expr(self.mask_right):
+            # blocks left of the one holding key (first row's last visible key + 1) are full
+            first_row_limit = self.q_pos(m_block * self.tile_m) + seqlen_k - self.q_count(seqlen_q) + win_right + 1
+            n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
+            n_masked = cutlass.max(n_block_max - n_block_unmasked_end, n_masked)
+        n_masked = cutlass.min(n_masked, n_blocks)
+        n_masked_left = Int32(0)
+        if const_expr(self.mask_left):
+            # block n is clear of the lower edge for every row iff n * BN >= the first
+            # visible key of the tile's last row
+            last_row_lo = self.q_pos(m_block * self.tile_m + self.tile_m - 1) + seqlen_k - self.q_count(seqlen_q) - win_left
+            n_left_clear = cute.ceil_div(cutlass.max(last_row_lo, 0), BN)
+            n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
+            n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
+        return n_masked, n_masked_left
+
+    @cute.jit
     def first_tile_and_step(self):
         bx, by, bz = cute.arch.block_idx()
         gx, gy, _ = cute.arch.grid_dim()
@@ -973,73 +1021,140 @@ class FlashFwdSm90:
     @cute.jit
     def produce(self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV,
                 pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None, sk=None,
-                pipe_info=None, s_info=None):
-        BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
-        info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_INFO_STAGES)
+                pipe_info=None, s_info=None, mLSE=None):
+        loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
+                 kr, bs, mLSE)
+        # (the tile-info ring: this warp writes it, or with the decoder warp reads it)
+        info_state = pipeline.make_pipeline_state(
+            pipeline.PipelineUserType.Consumer if const_expr(self.tile_decoder) else pipeline.PipelineUserType.Producer,
+            self.info_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if const_expr(self.tile_decoder):
+            # the decoder warp's tiles, in order, until its m_block < 0
+            (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
+             offset_q, _, _, offset_k, info_state) = self.get_tile_info(pipe_info, s_info, info_state,
+                                                                        self.info_fields)
+            while m_block >= 0:
+                q_state, kv_state = self.load_tile(
+                    loads, (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q,
+                            offset_q, offset_k), q_state, kv_state)
+                (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
+                 offset_q, _, _, offset_k, info_state) = self.get_tile_info(pipe_info, s_info, info_state,
+                                                                            self.info_fields)
+        else:
+            tile, step = self.first_tile_and_step()
+            total = self.num_slots(mQ, vl, sk)
+            window = None
+            if const_expr(self.turned_order):
+                # the turned order's window, once per CTA rather than once per tile
+                window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
+            while tile < total:
+                (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
+                 offset_q, offset_k, active, cut, sk_slot) = self.item_coords(tile, mQ, mK, win_left,
+                                                                              win_right, vl, sk, window)
+                if active:
+                    if const_expr(self.tile_info):
+                        self.put_tile_info(pipe_info, s_info, info_state,
+                                           (m_block, head_idx, head_kv, batch_idx, n_block_min,
+                                            n_block_max, seqlen_q, seqlen_k, offset_q, Int32(cut), sk_slot))
+                        info_state.advance()
+                    q_state, kv_state = self.load_tile(
+                        loads, (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q,
+                                offset_q, offset_k), q_state, kv_state)
+                tile += step
+            if const_expr(self.tile_info):
+                # the end of the consumers' loop
+                self.put_tile_info(pipe_info, s_info, info_state,
+                                   (Int32(-1),) + (Int32(0),) * (self.info_fields - 1))
+
+    @cute.jit
+    def load_tile(self, loads, coords, q_state, kv_state):
+        """The TMA warp's loads of one tile: its Q, then its key blocks' K and V in visiting order
+        (the diagonal / tail first; key ranges and CSRs by their plan)."""
+        (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v, kr, bs,
+         mLSE) = loads
+        m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q, offset_k = coords
+        BN, D, Dv = self.tile_n, self.head_dim, self.head_dim_v
+        gQ = self.q_tile_gmem(mQ, m_block, head_idx, batch_idx, offset_q)
+        if const_expr(self.varlen):
+            # packed tensors: the sequence starts at row offset_*; loads that run past its
+            # end read the next sequence's rows (keys masked, rows never stored) or zeros
+            gK = cute.local_tile(cute.domain_offset((offset_k, 0), mK[None, None, head_kv, 0]),
+                                 (BN, D), (None, 0))
+            gV = cute.local_tile(cute.domain_offset((offset_k, 0), mV[None, None, head_kv, 0]),
+                                 (BN, Dv), (None, 0))
+        else:
+            gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
+            gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
+                                           cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
+                                           cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
+        trace_at = (mLSE, cute.arch.thread_idx()[0], m_block, head_idx, batch_idx, 0, seqlen_q)
+        self.trace_phase(trace_at, TRACE_SLOTS["p_start"])
+        # Q's buffer is free once the previous tile's O store has read it (see consume)
+        pipe_q.producer_acquire(q_state)
+        self.trace_phase(trace_at, TRACE_SLOTS["p_q_issued"])
+        if const_expr(self.q_stages > 1):
+            tQsQ = tQsQ[None, q_state.index]
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        q_state.advance()
+        n_iters = cutlass.max(n_block_max - n_block_min, 0)
+        visit = (n_block_max,)
+        if const_expr(self.dynamic_mask):
+            # the same plan the consumers compute (this warp alone: every lane agrees)
+            n_iters, visit, _ = self.visit_plan(m_block, head_idx, batch_idx, n_block_min,
+                                                n_block_max, seqlen_q, offset_q, kr, bs)
+        for i in cutlass.range(n_iters, unroll=1):
+            n_block = n_block_max - 1 - i
+            if const_expr(self.dynamic_mask):
+                n_block = self.block_at(i, visit)[0]
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+        self.trace_phase(trace_at, TRACE_SLOTS["p_kv_issued"])
+        return q_state, kv_state
+
+    @cute.jit
+    def decode_tiles(self, mQ, mK, win_left, win_right, vl, sk, pipe_info, s_info):
+        """(tile_decoder) Warp 1: every active tile's coordinates, in the CTA's order, into the
+        tile-info ring for the TMA warp and the consumers (m_block < 0 ends their loops). (A TMA
+        prefetch of each tile's Q into L2 here, up to four tiles ahead, measured 1-9 % slower:
+        docs section 34.)"""
+        info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.info_stages)
         tile, step = self.first_tile_and_step()
         total = self.num_slots(mQ, vl, sk)
         window = None
         if const_expr(self.turned_order):
-            # the turned order's window, once per CTA rather than once per tile
             window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
              offset_q, offset_k, active, cut, sk_slot) = self.item_coords(tile, mQ, mK, win_left,
                                                                           win_right, vl, sk, window)
             if active:
-                if const_expr(self.tile_info):
-                    self.put_tile_info(pipe_info, s_info, info_state,
-                                       (m_block, head_idx, head_kv, batch_idx, n_block_min,
-                                        n_block_max, seqlen_q, seqlen_k, offset_q, Int32(cut), sk_slot))
-                    info_state.advance()
-                if const_expr(self.varlen):
-                    # packed tensors: the sequence starts at row offset_*; loads that run past its
-                    # end read the next sequence's rows (keys masked, rows never stored) or zeros
-                    gQ = cute.local_tile(cute.domain_offset((offset_q, 0), mQ[None, None, head_idx, 0]),
-                                         (BM, D), (m_block, 0))
-                    gK = cute.local_tile(cute.domain_offset((offset_k, 0), mK[None, None, head_kv, 0]),
-                                         (BN, D), (None, 0))
-                    gV = cute.local_tile(cute.domain_offset((offset_k, 0), mV[None, None, head_kv, 0]),
-                                         (BN, Dv), (None, 0))
-                else:
-                    gQ = cute.local_tile(mQ[None, None, head_idx, batch_idx], (BM, D), (m_block, 0))
-                    gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
-                    gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
-                tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
-                                                   cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
-                tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
-                                                   cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
-                tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
-                                                   cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2))
-                # Q's buffer is free once the previous tile's O store has read it (see consume)
-                pipe_q.producer_acquire(q_state)
-                if const_expr(self.q_stages > 1):
-                    tQsQ = tQsQ[None, q_state.index]
-                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                q_state.advance()
-                n_iters = cutlass.max(n_block_max - n_block_min, 0)
-                visit = (n_block_max,)
-                if const_expr(self.dynamic_mask):
-                    # the same plan the consumers compute (this warp alone: every lane agrees)
-                    n_iters, visit, _ = self.visit_plan(m_block, head_idx, batch_idx, n_block_min,
-                                                        n_block_max, seqlen_q, offset_q, kr, bs)
-                for i in cutlass.range(n_iters, unroll=1):
-                    n_block = n_block_max - 1 - i
-                    if const_expr(self.dynamic_mask):
-                        n_block = self.block_at(i, visit)[0]
-                    pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                    pipe_v.producer_acquire(kv_state)
-                    cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-                    kv_state.advance()
+                self.put_tile_info(pipe_info, s_info, info_state,
+                                   (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max,
+                                    seqlen_q, seqlen_k, offset_q, Int32(cut), sk_slot, offset_k))
+                info_state.advance()
             tile += step
-        if const_expr(self.tile_info):
-            # the end of the consumers' loop
-            self.put_tile_info(pipe_info, s_info, info_state, (Int32(-1),) + (Int32(0),) * (len(TILE_INFO_FIELDS) - 1))
+        self.put_tile_info(pipe_info, s_info, info_state, (Int32(-1),) + (Int32(0),) * (self.info_fields - 1))
+
+    @cute.jit
+    def q_tile_gmem(self, mQ, m_block, head_idx, batch_idx, offset_q):
+        """The (tile_m, D) tile of Q that query block ``m_block`` loads (varlen: of the packed
+        tensor, from the sequence's first row)."""
+        if const_expr(self.varlen):
+            return cute.local_tile(cute.domain_offset((offset_q, 0), mQ[None, None, head_idx, 0]),
+                                   (self.tile_m, self.head_dim), (m_block, 0))
+        return cute.local_tile(mQ[None, None, head_idx, batch_idx], (self.tile_m, self.head_dim),
+                               (m_block, 0))
 
     @cute.jit
     def put_tile_info(self, pipe_info, s_info, info_state, fields):
@@ -1047,15 +1162,16 @@ class FlashFwdSm90:
         lane arrives (release) on the stage's full barrier."""
         pipe_info.producer_acquire(info_state)
         if cute.arch.lane_idx() == 0:
-            for f in cutlass.range_constexpr(len(TILE_INFO_FIELDS)):
+            for f in cutlass.range_constexpr(len(fields)):
                 s_info[f, info_state.index] = fields[f]
         pipe_info.producer_commit(info_state)
 
     @cute.jit
-    def get_tile_info(self, pipe_info, s_info, info_state):
-        """A consumer thread reads one tile's coordinates (acquire), then frees the stage."""
+    def get_tile_info(self, pipe_info, s_info, info_state, n_fields: cutlass.Constexpr = len(TILE_INFO_FIELDS)):
+        """A consumer thread (or the TMA warp's, with the decoder: n_fields with offset_k) reads
+        one tile's coordinates (acquire), then frees the stage."""
         pipe_info.consumer_wait(info_state)
-        fields = [s_info[f, info_state.index] for f in range(len(TILE_INFO_FIELDS))]
+        fields = [s_info[f, info_state.index] for f in range(n_fields)]
         pipe_info.consumer_release(info_state)
         info_state.advance()
         return (*fields, info_state)
@@ -1142,7 +1258,7 @@ class FlashFwdSm90:
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_INFO_STAGES)
+        info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.info_stages)
         tile, step, total = Int32(0), Int32(0), Int32(0)
         window = None
         if const_expr(not self.tile_info):
@@ -1182,23 +1298,8 @@ class FlashFwdSm90:
                 # The tail block needs the mask only when it runs past seqlen_k: with seqlen_k a
                 # multiple of the key tile every block of a non-causal tile runs unmasked (at 1k,
                 # hd128, the masked first block was one of a tile's 8)
-                n_masked = Int32(0)
-                if n_block_max * BN > seqlen_k:
-                    n_masked = Int32(1)
-                if const_expr(self.mask_right):
-                    # blocks left of the one holding key (first row's last visible key + 1) are full
-                    first_row_limit = self.q_pos(m_block * BM) + seqlen_k - self.q_count(seqlen_q) + win_right + 1
-                    n_block_unmasked_end = cutlass.max(first_row_limit, 0) // BN
-                    n_masked = cutlass.max(n_block_max - n_block_unmasked_end, n_masked)
-                n_masked = cutlass.min(n_masked, n_blocks)
-                n_masked_left = Int32(0)
-                if const_expr(self.mask_left):
-                    # block n is clear of the lower edge for every row iff n * BN >= the first
-                    # visible key of the tile's last row
-                    last_row_lo = self.q_pos(m_block * BM + BM - 1) + seqlen_k - self.q_count(seqlen_q) - win_left
-                    n_left_clear = cute.ceil_div(cutlass.max(last_row_lo, 0), BN)
-                    n_masked_left = cutlass.max(cutlass.min(n_left_clear, n_block_max) - n_block_min, 0)
-                    n_masked_left = cutlass.min(n_masked_left, n_blocks - n_masked)
+                n_masked, n_masked_left = self.masked_block_counts(
+                    m_block, n_block_min, n_block_max, seqlen_q, seqlen_k, win_left, win_right)
                 tSrQ_tile = tSrQ
                 if const_expr(self.q_stages > 1 and not self.q_regs):
                     tSrQ_tile = tSrQ[None, None, None, q_state.index]
@@ -1898,10 +1999,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def trace_phase(self, at, slot: cutlass.Constexpr, n_blocks=None):
-        """(trace_phases) The warpgroup's first thread stamps the SM clock's low 24 bits (exact in
-        fp32) into LSE row 64 * wg + slot of the tile; at the tile's start also the SM id, the
+        """(trace_phases) The warpgroup's first thread (the producer warp's: thread 0, as
+        warpgroup 0) stamps the SM clock's low 24 bits (exact in fp32) into LSE row 64 * wg + slot
+        of the tile; at the tile's start also the SM id, the
         global timer in 32 ns units (the clock's rate) and the tile's key-block count. Only where
-        the warpgroup's 8 stamp rows lie inside the sequence."""
+        the warpgroup's len(TRACE_SLOTS) stamp rows lie inside the sequence."""
         if const_expr(self.trace_phases):
             mLSE, tidx, m_block, head_idx, batch_idx, wg, seqlen_q = at
             row0 = m_block * self.tile_m + 64 * wg
