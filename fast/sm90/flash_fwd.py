@@ -1043,12 +1043,7 @@ class FlashFwdSm90:
                  offset_q, _, _, offset_k, info_state) = self.get_tile_info(pipe_info, s_info, info_state,
                                                                             self.info_fields)
         else:
-            tile, step = self.first_tile_and_step()
-            total = self.num_slots(mQ, vl, sk)
-            window = None
-            if const_expr(self.turned_order):
-                # the turned order's window, once per CTA rather than once per tile
-                window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
+            tile, step, total, window = self.tile_walk(mQ, vl, sk)
             while tile < total:
                 (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
                  offset_q, offset_k, active, cut, sk_slot) = self.item_coords(tile, mQ, mK, win_left,
@@ -1123,17 +1118,25 @@ class FlashFwdSm90:
         return q_state, kv_state
 
     @cute.jit
+    def tile_walk(self, mQ, vl, sk):
+        """(first slot, stride, slot bound, the turned order's window or None) of this CTA's walk
+        over the tile order (item_coords decodes each slot); the window once per CTA rather than
+        once per tile."""
+        tile, step = self.first_tile_and_step()
+        total = self.num_slots(mQ, vl, sk)
+        window = None
+        if const_expr(self.turned_order):
+            window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
+        return tile, step, total, window
+
+    @cute.jit
     def decode_tiles(self, mQ, mK, win_left, win_right, vl, sk, pipe_info, s_info):
         """(tile_decoder) Warp 1: every active tile's coordinates, in the CTA's order, into the
         tile-info ring for the TMA warp and the consumers (m_block < 0 ends their loops). (A TMA
         prefetch of each tile's Q into L2 here, up to four tiles ahead, measured 1-9 % slower:
         docs section 34.)"""
         info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.info_stages)
-        tile, step = self.first_tile_and_step()
-        total = self.num_slots(mQ, vl, sk)
-        window = None
-        if const_expr(self.turned_order):
-            window = self.rotation_window(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m))
+        tile, step, total, window = self.tile_walk(mQ, vl, sk)
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
              offset_q, offset_k, active, cut, sk_slot) = self.item_coords(tile, mQ, mK, win_left,
