@@ -647,7 +647,9 @@ class FlashFwdSm90:
                              pipe_info, s_info, mLSE)
             if const_expr(self.tile_decoder):
                 if warp_idx == 1:
-                    self.decode_tiles(mQ, mK, win_left, win_right, vl, sk, pipe_info, s_info)
+                    self.walk_tiles(mQ, mK, win_left, win_right, vl, sk, pipe_info, s_info,
+                                    pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer,
+                                                                 self.info_stages))
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
@@ -1043,25 +1045,8 @@ class FlashFwdSm90:
                  offset_q, _, _, offset_k, info_state) = self.get_tile_info(pipe_info, s_info, info_state,
                                                                             self.info_fields)
         else:
-            tile, step, total, window = self.tile_walk(mQ, vl, sk)
-            while tile < total:
-                (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
-                 offset_q, offset_k, active, cut, sk_slot) = self.item_coords(tile, mQ, mK, win_left,
-                                                                              win_right, vl, sk, window)
-                if active:
-                    if const_expr(self.tile_info):
-                        self.put_tile_info(pipe_info, s_info, info_state,
-                                           (m_block, head_idx, head_kv, batch_idx, n_block_min,
-                                            n_block_max, seqlen_q, seqlen_k, offset_q, Int32(cut), sk_slot))
-                        info_state.advance()
-                    q_state, kv_state = self.load_tile(
-                        loads, (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q,
-                                offset_q, offset_k), q_state, kv_state)
-                tile += step
-            if const_expr(self.tile_info):
-                # the end of the consumers' loop
-                self.put_tile_info(pipe_info, s_info, info_state,
-                                   (Int32(-1),) + (Int32(0),) * (self.info_fields - 1))
+            self.walk_tiles(mQ, mK, win_left, win_right, vl, sk, pipe_info, s_info, info_state,
+                            (loads, q_state, kv_state))
 
     @cute.jit
     def load_tile(self, loads, coords, q_state, kv_state):
@@ -1130,24 +1115,37 @@ class FlashFwdSm90:
         return tile, step, total, window
 
     @cute.jit
-    def decode_tiles(self, mQ, mK, win_left, win_right, vl, sk, pipe_info, s_info):
-        """(tile_decoder) Warp 1: every active tile's coordinates, in the CTA's order, into the
-        tile-info ring for the TMA warp and the consumers (m_block < 0 ends their loops). (A TMA
-        prefetch of each tile's Q into L2 here, up to four tiles ahead, measured 1-9 % slower:
-        docs section 34.)"""
-        info_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.info_stages)
+    def walk_tiles(self, mQ, mK, win_left, win_right, vl, sk, pipe_info, s_info, info_state,
+                   loading=None):
+        """This CTA's walk over the tile order: every active tile's coordinates (item_coords) into
+        the tile-info ring (with tile_info; m_block < 0 ends the readers' loops), and with
+        ``loading`` = (loads, q_state, kv_state) the tile's loads. The decoder warp (tile_decoder)
+        walks without loading, for the TMA warp and the consumers; otherwise the TMA warp walks
+        and loads. (A TMA prefetch of each tile's Q into L2 in the decoder warp, up to four tiles
+        ahead, measured 1-9 % slower: docs section 34.)"""
         tile, step, total, window = self.tile_walk(mQ, vl, sk)
+        q_state, kv_state = None, None
+        if const_expr(loading is not None):
+            loads, q_state, kv_state = loading
         while tile < total:
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
              offset_q, offset_k, active, cut, sk_slot) = self.item_coords(tile, mQ, mK, win_left,
                                                                           win_right, vl, sk, window)
             if active:
-                self.put_tile_info(pipe_info, s_info, info_state,
-                                   (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max,
-                                    seqlen_q, seqlen_k, offset_q, Int32(cut), sk_slot, offset_k))
-                info_state.advance()
+                if const_expr(self.tile_info):
+                    fields = (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q,
+                              seqlen_k, offset_q, Int32(cut), sk_slot, offset_k)
+                    self.put_tile_info(pipe_info, s_info, info_state, fields[:self.info_fields])
+                    info_state.advance()
+                if const_expr(loading is not None):
+                    q_state, kv_state = self.load_tile(
+                        loads, (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q,
+                                offset_q, offset_k), q_state, kv_state)
             tile += step
-        self.put_tile_info(pipe_info, s_info, info_state, (Int32(-1),) + (Int32(0),) * (self.info_fields - 1))
+        if const_expr(self.tile_info):
+            # the end of the readers' loops
+            self.put_tile_info(pipe_info, s_info, info_state,
+                               (Int32(-1),) + (Int32(0),) * (self.info_fields - 1))
 
     @cute.jit
     def q_tile_gmem(self, mQ, m_block, head_idx, batch_idx, offset_q):
