@@ -443,7 +443,11 @@ class FastSm90Forward:
         decoding each tile between the previous tile's last K / V load and this tile's Q load:
         1200-2700 cycles a tile there at hd128 1k (phase trace, H100), while with two K / V
         stages the consumers finish a tile 1400-1900 cycles after its last K / V is issued.
-        Persistent grids with tile_info. DUALATTN_SM90_TILE_DECODER=0|1 overrides (comparisons)."""
+        Graph A/B over every bench cell (ci/sm90_grid_ab.py tile_decoder, docs section 34), time
+        on / off, H100 / H200: hd128 causal 512-8k 0.982-0.997 / 0.956-0.999, hd64 causal 512-2k
+        0.977-0.989 / 0.987-0.991, 10 documents 0.947 / 0.953, window 0.989 / 0.987; long and
+        non-causal cells mostly 0.984-1.011. Persistent grids with tile_info.
+        DUALATTN_SM90_TILE_DECODER=0 turns it off (comparisons)."""
         persistent = cls.config(spec)[5]
         applies = persistent and cls.tile_info(spec)
         return applies and _TILE_DECODER_ENV != "0"
