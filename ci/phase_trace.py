@@ -16,7 +16,8 @@ prints, in SM clock cycles (medians):
 * how far the second warpgroup runs behind the first (ping-pong wants half a block);
 * the producer warp, against the first warpgroup's tile start: when it reached the tile, when it
   had Q's buffer and issued the Q load, when it had issued the tile's last K / V load (negative:
-  before the consumers began the tile).
+  before the consumers began the tile); and its time from a tile's last K / V to reaching the
+  next tile on the same SM (p_between; listed under the earlier tile's key-block count).
 
 The traced build's time is printed beside the plain one's: the stamps (one thread per warpgroup,
 5 per tile) should not move it by more than a percent.
@@ -40,6 +41,9 @@ from dualattn.spec import AttentionSpec
 WRAP = 1 << 24  # the stamps keep 24 bits (exact in fp32)
 PHASES = ("q_wait", "first", "rest", "epilogue", "gap")
 PRODUCER = ("p_start", "p_q_issued", "p_kv_issued")  # the producer's stamps (warpgroup 0's rows)
+# and, from consecutive tiles of one SM, the TMA warp's time between a tile's last K / V and the
+# next tile (docs section 34: the tile decode, 1200-2700 cycles, before the decoder warp)
+PRODUCER_COLUMNS = PRODUCER + ("p_between",)
 
 
 def _unwrap(values):
@@ -113,6 +117,11 @@ def analyse(rows):
             if r["wg"] == 0:
                 for name in PRODUCER:  # signed, modulo the stamps' 24 bits
                     p[name].append((r[name] - r["start"] + WRAP // 2) % WRAP - WRAP // 2)
+                if i + 1 < len(rs):
+                    # the TMA warp's time from this tile's last K / V to reaching the next tile
+                    # (without the decoder warp: the next tile's item_coords)
+                    nxt = rs[i + 1]
+                    p["p_between"].append((nxt["p_start"] - r["p_kv_issued"]) % WRAP)
     tiles = collections.defaultdict(dict)
     for r in rows:
         tiles[r["tile"]][r["wg"]] = r
@@ -140,12 +149,12 @@ def main() -> None:
               f"{med(mhz):.0f} MHz (min {min(mhz):.0f}, max {max(mhz):.0f}); warpgroup 1 starts a "
               f"tile {med(lag):.0f} cycles after warpgroup 0 (median)")
         print("  wg blocks tiles " + " ".join(f"{p:>8s}" for p in PHASES) + "     tile  rest/nb "
-              + " ".join(f"{p:>11s}" for p in PRODUCER))
+              + " ".join(f"{p:>11s}" for p in PRODUCER_COLUMNS))
         for (wg, nb), p in sorted(phases.items()):
             cols = " ".join(f"{med(p[k]):8.0f}" if p[k] else "       -" for k in PHASES)
             tile = med(p["tile"]) if p["tile"] else float("nan")
             rest = med(p["rest"]) / nb if nb else float("nan")
-            prod = " ".join(f"{med(p[k]):11.0f}" if p[k] else "          -" for k in PRODUCER)
+            prod = " ".join(f"{med(p[k]):11.0f}" if p[k] else "          -" for k in PRODUCER_COLUMNS)
             print(f"  {wg:2d} {nb:6d} {len(p['first']):5d} {cols} {tile:8.0f} {rest:8.0f} {prod}")
 
 
