@@ -7,9 +7,10 @@ kernels, captured once each, timed interleaved in five rounds (medians; L2 flush
 A and B: ';'-separated NAME=VALUE settings, NAME a module global of dualattn.fast.sm90 (the knobs'
 ``_..._ENV`` values, e.g. _PERSISTENT_ENV=1) or an environment variable read per call
 (DUALATTN_SM90_TILES=256:64,2); "" is the default. CELL: batch,seqlen,heads,head_dim,causal (0/1),
-query and key lengths equal, or one of the bench's mask cells by name (window, docs, sparse). Prints each cell's TFLOP/s both ways and time B / time A (above 1: B
-is slower). ci/sm90_grid_ab.py runs one knob over a fixed set of the bench's cells; this runs any
-two settings over any cells."""
+query and key lengths equal, or one of the bench's mask cells by name (window, docs, sparse).
+Prints each cell's TFLOP/s both ways and time B / time A (above 1: B is slower).
+ci/sm90_grid_ab.py runs one knob over a fixed set of the bench's cells; this runs any two settings
+over any cells."""
 import os
 import statistics
 import sys

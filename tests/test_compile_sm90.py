@@ -1197,8 +1197,8 @@ def test_phase_trace_is_a_separate_build_only_where_its_stamps_fit(monkeypatch):
     """The phase trace (ci/phase_trace.py) is off unless fast/sm90.TRACE_PHASES is set; then dense
     batched calls that return the LSE build with 5 clock stamps per consumer warpgroup and tile
     and 3 of the producer warp's (each reads %clock, %smid, %globaltimer_lo), under its own
-    compile key; varlen, packed GQA
-    rows, key ranges and calls without LSE never trace (their LSE rows are not the tile's)."""
+    compile key; varlen, packed GQA rows, key ranges and calls without LSE never trace (their
+    LSE rows are not the tile's)."""
     import dualattn.fast.sm90 as sm90
     spec = _spec(128, True, sq=2048, sk=2048, return_lse=True)
     assert not FastSm90Forward.trace_phases(spec)

@@ -1293,12 +1293,9 @@ class FlashFwdSm90:
                 acc_O.fill(0.0)
                 row_max.fill(-Float32.inf)
                 row_sum.fill(0.0)
-                # blocks that need the element mask: the sequence tail and, for causal / a right
-                # window bound, the diagonal (visited first); with a left bound also the blocks that
-                # cross the window's lower edge (visited last). The ones in between run unmasked.
-                # The tail block needs the mask only when it runs past seqlen_k: with seqlen_k a
-                # multiple of the key tile every block of a non-causal tile runs unmasked (at 1k,
-                # hd128, the masked first block was one of a tile's 8)
+                # blocks that need the element mask (masked_block_counts): the top ones (the key
+                # tail, the diagonal) are visited first, the left window edge's last; the ones in
+                # between run unmasked
                 n_masked, n_masked_left = self.masked_block_counts(
                     m_block, n_block_min, n_block_max, seqlen_q, seqlen_k, win_left, win_right)
                 tSrQ_tile = tSrQ
