@@ -64,6 +64,7 @@ _O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.
 _STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # see .staging_per_tile
 _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .narrow_first
 _TILE_DECODER_ENV = os.environ.get("DUALATTN_SM90_TILE_DECODER", "")  # see .tile_decoder
+_STMATRIX_O_ENV = os.environ.get("DUALATTN_SM90_STMATRIX_O", "")  # see .stmatrix_o
 # diagnostics only, set by ci/phase_trace.py (never an environment variable: a traced kernel
 # returns phase stamps in place of the LSE); see FastSm90Forward.trace_phases
 TRACE_PHASES = False
@@ -452,6 +453,14 @@ class FastSm90Forward:
         applies = persistent and cls.tile_info(spec)
         return applies and _TILE_DECODER_ENV != "0"
 
+    @staticmethod
+    def stmatrix_o(spec) -> bool:
+        """O staged in shared memory for its TMA store by stmatrix (four 8 x 8 matrices of
+        16-bit values per warp instruction) instead of 32-bit shared stores: hd128, 32 -> 8
+        store instructions per thread and tile. DUALATTN_SM90_STMATRIX_O=0 turns it off
+        (comparisons)."""
+        return _STMATRIX_O_ENV != "0"
+
     @classmethod
     def trace_phases(cls, spec) -> bool:
         """Diagnostics (ci/phase_trace.py sets TRACE_PHASES): the kernel writes each consumer
@@ -501,7 +510,7 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
-                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -881,7 +890,8 @@ class FastSm90Forward:
                             staging_per_tile=self.staging_per_tile(spec),
                             narrow_first=self.narrow_first(spec),
                             trace_phases=self.trace_phases(spec),
-                            tile_decoder=self.tile_decoder(spec))
+                            tile_decoder=self.tile_decoder(spec),
+                            stmatrix_o=self.stmatrix_o(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -190,7 +190,8 @@ class FlashFwdSm90:
                  bit_mask: bool = False, tile_info: bool = False, q_regs: bool = False,
                  pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
-                 narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False):
+                 narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
+                 stmatrix_o: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -211,6 +212,10 @@ class FlashFwdSm90:
         # memory; the TMA warp then goes from a tile's last K / V straight to the next tile's Q
         assert not tile_decoder or tile_info
         self.tile_decoder = tile_decoder
+        # O staged in shared memory by stmatrix (four 8 x 8 matrices per warp instruction)
+        # rather than 32-bit stores (FastSm90Forward.stmatrix_o)
+        assert not stmatrix_o or dtype.width == 16
+        self.stmatrix_o = stmatrix_o
         self.info_stages = TILE_INFO_STAGES_DECODER if tile_decoder else TILE_INFO_STAGES
         self.info_fields = len(TILE_INFO_FIELDS) + (1 if tile_decoder else 0)  # + offset_k
         # each thread's shared-memory addresses for O's staging computed in the epilogue of
@@ -1232,8 +1237,12 @@ class FlashFwdSm90:
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         lse = cute.make_rmem_tensor((num_rows,), Float32)
         corr_prev = cute.make_rmem_tensor((num_rows,), Float32)  # rescale_before_pv
-        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                        num_bits_per_copy=2 * self.dtype.width)
+        if const_expr(self.stmatrix_o):
+            copy_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4),
+                                            self.dtype)
+        else:
+            copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                            num_bits_per_copy=2 * self.dtype.width)
         # O's register -> shared copy: each thread's slice is taken in the epilogue (see there)
         tiled_copy_O = cute.make_tiled_copy_C(copy_atom, tiled_mma_pv)
         sO_mn = sO
