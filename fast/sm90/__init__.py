@@ -457,9 +457,10 @@ class FastSm90Forward:
     def stmatrix_o(spec) -> bool:
         """O staged in shared memory for its TMA store by stmatrix (four 8 x 8 matrices of
         16-bit values per warp instruction) instead of 32-bit shared stores: hd128, 32 -> 8
-        store instructions per thread and tile. DUALATTN_SM90_STMATRIX_O=0 turns it off
+        store instructions per thread and tile (16-bit O only: stmatrix moves 16-bit values;
+        fp16 and bf16 are this kernel's dtypes). DUALATTN_SM90_STMATRIX_O=0 turns it off
         (comparisons)."""
-        return _STMATRIX_O_ENV != "0"
+        return _STMATRIX_O_ENV != "0" and spec.dtype.itemsize == 2
 
     @classmethod
     def trace_phases(cls, spec) -> bool:
