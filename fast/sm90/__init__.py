@@ -65,6 +65,7 @@ _STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # 
 _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .narrow_first
 _TILE_DECODER_ENV = os.environ.get("DUALATTN_SM90_TILE_DECODER", "")  # see .tile_decoder
 _STMATRIX_O_ENV = os.environ.get("DUALATTN_SM90_STMATRIX_O", "")  # see .stmatrix_o
+_WARP_STORE_O_ENV = os.environ.get("DUALATTN_SM90_WARP_STORE_O", "")  # see .warp_store_o
 # diagnostics only, set by ci/phase_trace.py (never an environment variable: a traced kernel
 # returns phase stamps in place of the LSE); see FastSm90Forward.trace_phases
 TRACE_PHASES = False
@@ -463,6 +464,17 @@ class FastSm90Forward:
         return _STMATRIX_O_ENV != "0" and spec.dtype.itemsize == 2
 
     @classmethod
+    def warp_store_o(cls, spec) -> bool:
+        """Each consumer warp stages its own 16 rows of O and issues their TMA store (a 16-row
+        box; the staging slot laid out with its rows outer, so a warp's band is contiguous)
+        instead of its warpgroup's 128 threads meeting at two named barriers around the staging
+        and one warp storing the 64 rows (FlashFwdSm90.warp_store_o). Batched calls with a
+        staging slot per warpgroup (wg_epilogue without shared_o_slot).
+        DUALATTN_SM90_WARP_STORE_O=0 turns it off (comparisons)."""
+        return (_WARP_STORE_O_ENV != "0" and spec.mode == "batched" and cls.wg_epilogue(spec)
+                and not cls.shared_o_slot(spec) and 16 % cls.pack_gqa(spec) == 0)
+
+    @classmethod
     def trace_phases(cls, spec) -> bool:
         """Diagnostics (ci/phase_trace.py sets TRACE_PHASES): the kernel writes each consumer
         warpgroup's phase stamps per tile (FlashFwdSm90.trace_phase) into the LSE buffer instead
@@ -511,7 +523,7 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
-                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.warp_store_o(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -892,7 +904,8 @@ class FastSm90Forward:
                             narrow_first=self.narrow_first(spec),
                             trace_phases=self.trace_phases(spec),
                             tile_decoder=self.tile_decoder(spec),
-                            stmatrix_o=self.stmatrix_o(spec))
+                            stmatrix_o=self.stmatrix_o(spec),
+                            warp_store_o=self.warp_store_o(spec))
 
     @staticmethod
     def arg_schema(spec):

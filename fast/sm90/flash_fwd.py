@@ -191,7 +191,7 @@ class FlashFwdSm90:
                  pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
-                 stmatrix_o: bool = False):
+                 stmatrix_o: bool = False, warp_store_o: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -216,6 +216,13 @@ class FlashFwdSm90:
         # rather than 32-bit stores (FastSm90Forward.stmatrix_o)
         assert not stmatrix_o or dtype.width == 16
         self.stmatrix_o = stmatrix_o
+        # each consumer warp stages and TMA-stores its own 16 rows of O (the rows its
+        # accumulator holds), so the epilogue syncs warps instead of its warpgroup's 128 threads
+        # at two named barriers (FastSm90Forward.warp_store_o); batched per-warpgroup epilogues
+        # with a slot per warpgroup
+        assert not warp_store_o or (wg_epilogue and not shared_o_slot and not varlen
+                                    and 16 % pack_gqa == 0)
+        self.warp_store_o = warp_store_o
         self.info_stages = TILE_INFO_STAGES_DECODER if tile_decoder else TILE_INFO_STAGES
         self.info_fields = len(TILE_INFO_FIELDS) + (1 if tile_decoder else 0)  # + offset_k
         # each thread's shared-memory addresses for O's staging computed in the epilogue of
@@ -398,8 +405,9 @@ class FlashFwdSm90:
         sV_layout = self._smem_layout((BN, Dv), self.num_stages)
         # wg_epilogue: O as (64, Dv, slot), each warpgroup's rows one TMA box of their own (in
         # its own slot, or with shared_o_slot in the one slot in turn)
-        sO_layout = (self._smem_layout((64, Dv), self.o_slots) if const_expr(self.wg_epilogue)
-                     else self._smem_layout((BM, Dv), None))
+        # warp_store_o: each warp's 16 rows one contiguous band (a 16-row TMA box)
+        sO_layout = (self._smem_layout((64, Dv), self.o_slots, band_rows=16 if self.warp_store_o else 0)
+                     if const_expr(self.wg_epilogue) else self._smem_layout((BM, Dv), None))
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         sQ_one = cute.select(sQ_layout, mode=[0, 1]) if const_expr(self.q_stages > 1) else sQ_layout
@@ -408,7 +416,11 @@ class FlashFwdSm90:
             tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (BN, D), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
             tma_load, mV, cute.select(sV_layout, mode=[0, 1]), (BN, Dv), 1)
-        if const_expr(self.wg_epilogue):
+        if const_expr(self.warp_store_o):
+            tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mO,
+                self._smem_layout((16, Dv), None), (16, Dv))
+        elif const_expr(self.wg_epilogue):
             tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), mO, cute.select(sO_layout, mode=[0, 1]), (64, Dv))
         else:
@@ -573,9 +585,14 @@ class FlashFwdSm90:
         self.__call__(mQ, mK, mV, mO, mLSE, *args.values[19:25], stream,
                       (mCuQ, mCuK, max_seqlen_q, batch), *self.feature_args(args.values[25:]))
 
-    def _smem_layout(self, shape, stages):
+    def _smem_layout(self, shape, stages, band_rows: int = 0):
+        """Swizzle atoms tiled down the rows, then across the columns. band_rows: the rows in
+        bands of that many, one after the other, each band laid out so (a contiguous piece of
+        shared memory a TMA box of band_rows rows covers)."""
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, shape[1]), self.dtype)
+        if band_rows:
+            atom = cute.tile_to_shape(atom, (band_rows, shape[1]), order=(0, 1))
         if stages is None:
             return cute.tile_to_shape(atom, shape, order=(0, 1))
         return cute.tile_to_shape(atom, (*shape, stages), order=(0, 1, 2))
@@ -1474,7 +1491,9 @@ class FlashFwdSm90:
             if wg == 0 and o_turns > 0:  # warpgroup 1's last hand-over
                 cute.arch.barrier(barrier_id=_BAR_O_SLOT, number_of_threads=256)
         # shared memory must outlive the last store's reads (each issuing warp waits for its own)
-        if tidx % epi_threads < 32:
+        if const_expr(self.warp_store_o):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        elif tidx % epi_threads < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
@@ -1578,10 +1597,15 @@ class FlashFwdSm90:
         # tiles: every thread's own shared-memory reads are complete already). A slot the
         # warpgroups share (shared_o_slot) was handed over in consume, after the other
         # warpgroup's store had read it.
-        if const_expr(self.separate_o):
-            if tidx % epi_threads < 32:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-        cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+        if const_expr(self.warp_store_o):
+            # this warp's rows: the warp's own previous store has read them
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.sync_warp()
+        else:
+            if const_expr(self.separate_o):
+                if tidx % epi_threads < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         # this thread's staging addresses, computed here for each tile: computed once before
@@ -1592,11 +1616,16 @@ class FlashFwdSm90:
             per_use_i32(tidx) if const_expr(self.staging_per_tile) else tidx)
         cute.copy(thr_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO_mn))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+        if const_expr(self.warp_store_o):
+            cute.arch.sync_warp()
+        else:
+            cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
         # varlen: a tile that ends inside its sequence goes out by TMA like a batched one
         # (warp 0 issues it, the others go on); a sequence's last, partial tile by
         # row-predicated 16-byte stores (a TMA store would write the next sequence's rows)
-        if const_expr(self.wg_epilogue):
+        if const_expr(self.warp_store_o):
+            self.store_O_warp(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, seqlen_q, tidx, wg)
+        elif const_expr(self.wg_epilogue):
             self.store_O_wg(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q,
                             seqlen_q, tidx, wg, vl)
         elif const_expr(self.varlen):
@@ -1779,6 +1808,19 @@ class FlashFwdSm90:
             if tidx % 128 < 32:
                 gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (64, Dv), (slot, 0))
                 self.tma_store_slice(tma_atom_O, sO_wg, gO)
+
+    @cute.jit
+    def store_O_warp(self, tma_atom_O, mO, sO, head_idx, batch_idx, m_block, seqlen_q, tidx, wg):
+        """warp_store_o: each consumer warp stores the 16 rows of O its accumulator holds (rows
+        16 w.. of its warpgroup's 64) from its band of the warpgroup's slot, one TMA store (one
+        bulk group) issued by the warp; batched calls' TMA clips rows past the tensor's end. A
+        band wholly past the end stores nothing."""
+        Dv = self.head_dim_v
+        band = (m_block * self.num_mma_wg + wg) * 4 + (tidx % 128) // 32  # 16-row band of the slice
+        if seqlen_q - band * 16 > 0:
+            s_band = cute.local_tile(sO[None, None, wg], (16, Dv), (band % 4, 0))
+            gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (16, Dv), (band, 0))
+            self.tma_store_slice(tma_atom_O, s_band, gO)
 
     @cute.jit
     def tma_store_slice(self, tma_atom_O, s, g):
