@@ -268,3 +268,45 @@ def test_o_is_staged_by_stmatrix(name, spec, tmp_path, monkeypatch):
     # (the same instructions; ptxas may pick IMAD or MOV for a register move)
     assert len(loop_on) == len(loop_off)
     assert [o for o in loop_on if o not in ("IMAD", "MOV")] == [o for o in loop_off if o not in ("IMAD", "MOV")]
+
+
+# (id, spec): hd64's 2-warpgroup causal tile and its 3-warpgroup tiles (stream-K's merge keeps
+# named barriers of its own there)
+WARP_STORE_CONFIGS = [("hd64-causal-2wg", _spec(64, True, 1024)), ("hd64-3wg", _spec(64, False, 8192)),
+                      ("hd64-causal-3wg", _spec(64, True, 8192))]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,spec", WARP_STORE_CONFIGS, ids=[c[0] for c in WARP_STORE_CONFIGS])
+def test_warp_store_o_drops_the_epilogue_barriers(name, spec, tmp_path, monkeypatch):
+    """FastSm90Forward.warp_store_o: each consumer warp stages its own 16 rows of O and issues
+    their TMA store, so the epilogue's two 128-thread named barriers (before and after the
+    staging) become two warp syncs; one store site as before, no spills, the steady loop the same
+    length. The knob off is compiled too, so that the check can fail."""
+    import dualattn.fast.sm90 as sm90
+    found = {}
+    for knob in ("", "0"):
+        monkeypatch.setattr(sm90, "_WARP_STORE_O_ENV", knob)
+        assert FastSm90Forward.warp_store_o(spec) is (knob == "")
+        ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+        log, sass = assemble(ptx, str(tmp_path))
+        assert "0 bytes spill stores" in log
+        lo, hi = steady_loop(sass)
+        found[knob] = (len(re.findall(r"bar\.sync\s+%r\d+, 128;", ptx)), ptx.count("bar.warp.sync"),
+                       len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared", ptx)), hi - lo)
+    (bars_on, warp_on, stores_on, loop_on), (bars_off, warp_off, stores_off, loop_off) = found[""], found["0"]
+    assert bars_off - bars_on == 2 and warp_on - warp_off == 2, found
+    assert stores_on == stores_off == spec.head_dim_v // 64, found
+    assert abs(loop_on - loop_off) <= 2, found
+
+
+def test_warp_store_o_where_it_applies():
+    """Batched calls at Dv <= 64 with a staging slot per warpgroup; not hd128 (measured slower),
+    hd256's shared slot, or varlen (a sequence's partial tile goes out by predicated stores)."""
+    assert FastSm90Forward.warp_store_o(_spec(64, True, 1024))
+    assert FastSm90Forward.warp_store_o(_spec(64, False, 8192))
+    assert not FastSm90Forward.warp_store_o(_spec(128, True, 1024))
+    assert not FastSm90Forward.warp_store_o(_spec(256, False, 8192))
+    assert not FastSm90Forward.warp_store_o(AttentionSpec("varlen", 3, 4096, 4096, 8, 8, 64, 64,
+                                                          torch.bfloat16, "cuda", causal=True))

@@ -469,10 +469,18 @@ class FastSm90Forward:
         box; the staging slot laid out with its rows outer, so a warp's band is contiguous)
         instead of its warpgroup's 128 threads meeting at two named barriers around the staging
         and one warp storing the 64 rows (FlashFwdSm90.warp_store_o). Batched calls with a
-        staging slot per warpgroup (wg_epilogue without shared_o_slot).
-        DUALATTN_SM90_WARP_STORE_O=0 turns it off (comparisons)."""
-        return (_WARP_STORE_O_ENV != "0" and spec.mode == "batched" and cls.wg_epilogue(spec)
-                and not cls.shared_o_slot(spec) and 16 % cls.pack_gqa(spec) == 0)
+        staging slot per warpgroup (wg_epilogue without shared_o_slot), at Dv <= 64 only, where a
+        key block is half hd128's work and the epilogue a larger share of a tile. H100, graph
+        A/B over every bench cell (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py warp_store_o,
+        docs section 36), time on / off: hd64 1k 0.972, causal 512-16k 0.965-0.993; hd128
+        non-causal 512-16k 1.007-1.016 and GQA 1.015-1.019 (eight 2 KB stores in place of two
+        8 KB ones), so off there. DUALATTN_SM90_WARP_STORE_O=0 turns it off, =1 on wherever it
+        applies (comparisons)."""
+        applies = (spec.mode == "batched" and cls.wg_epilogue(spec) and not cls.shared_o_slot(spec)
+                   and 16 % cls.pack_gqa(spec) == 0)
+        if _WARP_STORE_O_ENV == "0" or not applies:
+            return False
+        return spec.head_dim_v <= 64 or _WARP_STORE_O_ENV == "1"
 
     @classmethod
     def trace_phases(cls, spec) -> bool:
