@@ -74,13 +74,17 @@ def test_compiles_for_sm90a_with_wgmma_loop(d, causal, dtype):
     # O's epilogue: with its own buffer (D <= 128), or one warpgroup's slot of it that the two
     # share by turns (hd256 at 64-key tiles, non-causal hd192 under 4k keys at 96-key tiles),
     # each warpgroup stages and stores its 64 rows
-    # behind a barrier of its own 128 threads (ids 5..); O aliased with Q (causal hd192) waits
+    # behind a barrier of its own 128 threads (ids 5..), or at hd64 each warp its 16 rows
+    # behind warp syncs (FastSm90Forward.warp_store_o); O aliased with Q (causal hd192) waits
     # for all consumer warpgroups at barrier 1
     wgs = FastSm90Forward.config(spec)[0] // 64
     shared_slot = FastSm90Forward.shared_o_slot(spec)
     assert shared_slot is (d == 256 or (d == 192 and not causal))  # hd192: under 4k keys
     assert FastSm90Forward.wg_epilogue(spec) is (d <= 128 or shared_slot)
-    if d <= 128 or shared_slot:
+    assert FastSm90Forward.warp_store_o(spec) is (d == 64)
+    if d == 64:
+        assert "bar.warp.sync" in ptx and not re.search(r"bar\.sync\s+1,", ptx)
+    elif d <= 128 or shared_slot:
         assert re.search(r"bar\.sync\s+%r\d+,\s*128;", ptx) and not re.search(r"bar\.sync\s+1,", ptx)
     else:
         assert re.search(r"bar\.sync\s+1,\s*%d;" % (128 * wgs), ptx)
