@@ -588,7 +588,8 @@ def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
 @pytest.mark.timeout(300)
 def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
-    32 / 160 per producer / consumer thread, an epilogue barrier per warpgroup, the GEMM
+    32 / 160 per producer / consumer thread, an epilogue per warp (warp syncs, no named
+    barrier: FastSm90Forward.warp_store_o), the GEMM
     issue ordered in a ring of three named barriers); causal below 4k queries keeps 2."""
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True
@@ -611,7 +612,9 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert ".reqntid 512, 1, 1" in ptx
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+32\b", ptx)
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160\b", ptx)
-    assert re.search(r"bar\.sync\s+%r\d+,\s*128;", ptx) and not re.search(r"bar\.sync\s+1,", ptx)
+    assert FastSm90Forward.warp_store_o(spec)
+    assert "bar.warp.sync" in ptx and not re.search(r"bar\.sync\s+%r\d+,\s*128;", ptx)
+    assert not re.search(r"bar\.sync\s+1,", ptx)
     # the ring: each warpgroup waits on its own barrier (2, 3, 4) and arrives on the next one's
     assert re.search(r"bar\.sync\s+%r\d+,\s*256;", ptx) and re.search(r"bar\.arrive\s+%r\d+,\s*256;", ptx)
     assert _loops_with(ptx, "wgmma.mma_async") >= 1
