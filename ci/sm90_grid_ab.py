@@ -44,6 +44,7 @@ launch memo cleared between them), on the bench's mask cells and its dense / GQA
     python ci/sm90_grid_ab.py stmatrix_o   # O staged by stmatrix against 32-bit shared stores
     python ci/sm90_grid_ab.py warp_store_o # each warp stores its own 16 rows of O against each
                                            # warpgroup storing its 64 behind two named barriers
+    python ci/sm90_grid_ab.py l2_hints     # L2 eviction priorities on the TMA copies against none
     python ci/sm90_grid_ab.py tiles 64:128,4,1,1,3   # the default tiles against a DUALATTN_SM90_TILES
                                                      # override, on that head dim's dense cells
 
@@ -82,6 +83,7 @@ KNOBS = {"persistent": ("_PERSISTENT_ENV", "1", "persistent"), "q_stages": ("_Q_
          "q_regs": ("_Q_REGS_ENV", "0", "Q from shared memory"),
          "stmatrix_o": ("_STMATRIX_O_ENV", "0", "32-bit staging stores"),
          "warp_store_o": ("_WARP_STORE_O_ENV", "0", "per-warpgroup stores"),
+         "l2_hints": ("_L2_HINTS_ENV", "0", "no L2 hints"),
          "pass_empty_wg": ("_PASS_EMPTY_WG_ENV", None, "empty warpgroups"),  # 0 or pass
          "reduce_chains": ("_REDUCE_CHAINS_ENV", None, "chains"),
          "o_slot": ("_O_SLOT_ENV", "0", "O in Q's buffer"),
@@ -168,7 +170,7 @@ def main(knob: str, tiles: str = ""):
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], causal=True, seqlens=[1024, 2048, 4096])
     elif knob == "tile_info":  # the mask cells, and the dense / GQA cells to 4k (short tiles)
         cells += B.filter_cells(fwd, groups=["dense", "gqa"], seqlens=[1024, 2048, 4096])
-    elif knob in ("tile_decoder", "stmatrix_o", "warp_store_o"):  # every cell: the mask cells (and CSR forms), dense, GQA
+    elif knob in ("tile_decoder", "stmatrix_o", "warp_store_o", "l2_hints"):  # every cell: the mask cells (and CSR forms), dense, GQA
         cells += B.filter_cells(fwd, groups=["dense", "gqa"])
     elif knob in ("reduce_chains", "q_regs"):  # dense and GQA cells (DUALATTN_AB_CELLS picks)
         cells = B.filter_cells(fwd, groups=["dense", "gqa"])

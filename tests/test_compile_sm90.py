@@ -107,7 +107,7 @@ def test_compile_key_is_explicit_and_shape_free():
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, False, True, True, False, 2, False, True, False, False, False, True, False,
-                   1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
+                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -119,7 +119,8 @@ def test_compile_key_is_explicit_and_shape_free():
     # trace, FastSm90Forward.trace_phases, index 25; the tiles' coordinates from a decoder warp,
     # FastSm90Forward.tile_decoder, index 26; O staged by stmatrix, FastSm90Forward.stmatrix_o,
     # index 27; each warp's 16 rows of O stored by the warp, FastSm90Forward.warp_store_o,
-    # index 28: off here, where no warpgroup has its own epilogue)
+    # index 28: off here, where no warpgroup has its own epilogue; L2 eviction priorities on the
+    # TMA copies, FastSm90Forward.l2_hints, index 29)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1

@@ -66,6 +66,7 @@ _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .nar
 _TILE_DECODER_ENV = os.environ.get("DUALATTN_SM90_TILE_DECODER", "")  # see .tile_decoder
 _STMATRIX_O_ENV = os.environ.get("DUALATTN_SM90_STMATRIX_O", "")  # see .stmatrix_o
 _WARP_STORE_O_ENV = os.environ.get("DUALATTN_SM90_WARP_STORE_O", "")  # see .warp_store_o
+_L2_HINTS_ENV = os.environ.get("DUALATTN_SM90_L2_HINTS", "")  # see .l2_hints
 # diagnostics only, set by ci/phase_trace.py (never an environment variable: a traced kernel
 # returns phase stamps in place of the LSE); see FastSm90Forward.trace_phases
 TRACE_PHASES = False
@@ -482,6 +483,12 @@ class FastSm90Forward:
             return False
         return spec.head_dim_v <= 64 or _WARP_STORE_O_ENV == "1"
 
+    @staticmethod
+    def l2_hints(spec) -> bool:
+        """L2 eviction priorities on the kernel's TMA copies (FlashFwdSm90.l2_hints): K / V
+        evict-last, Q and O evict-first. DUALATTN_SM90_L2_HINTS=0 turns them off (comparisons)."""
+        return _L2_HINTS_ENV != "0"
+
     @classmethod
     def trace_phases(cls, spec) -> bool:
         """Diagnostics (ci/phase_trace.py sets TRACE_PHASES): the kernel writes each consumer
@@ -531,7 +538,7 @@ class FastSm90Forward:
         return (name, str(spec.dtype), spec.head_dim, spec.head_dim_v, bool(spec.causal),
                 *self.mask_flags(spec), *self.config(spec), self.wg_epilogue(spec), self.stream_k(spec),
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
-                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.warp_store_o(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
+                self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.warp_store_o(spec), self.l2_hints(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
 
@@ -913,7 +920,8 @@ class FastSm90Forward:
                             trace_phases=self.trace_phases(spec),
                             tile_decoder=self.tile_decoder(spec),
                             stmatrix_o=self.stmatrix_o(spec),
-                            warp_store_o=self.warp_store_o(spec))
+                            warp_store_o=self.warp_store_o(spec),
+                            l2_hints=self.l2_hints(spec))
 
     @staticmethod
     def arg_schema(spec):

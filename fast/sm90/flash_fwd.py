@@ -39,7 +39,7 @@ from typing import Optional
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, Uint32, const_expr
+from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 from cutlass.utils import LayoutEnum
@@ -76,6 +76,10 @@ LN_2 = math.log(2.0)
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1     # the consumer threads, around the O staging in shared memory
 _BAR_WG_SCHED = 2     # 2, 3 (, 4): round-robin order of the consumer warpgroups' GEMM issue
+# L2 cache policies of a TMA copy (createpolicy's fractional encoding at fraction 1.0; the values
+# of CUTLASS's CacheHintSm90)
+L2_EVICT_FIRST = 0x12F0000000000000
+L2_EVICT_LAST = 0x14F0000000000000
 _BAR_EPILOGUE_WG = 5  # 5, 6 (, 7): one warpgroup's threads around its own O rows (wg_epilogue)
 _BAR_O_SLOT = 8       # 8, 9: the shared O slot handed from one warpgroup to the other (shared_o_slot)
 # tile_info: the producer decodes each tile's coordinates once and hands them to the consumers
@@ -191,7 +195,7 @@ class FlashFwdSm90:
                  pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
-                 stmatrix_o: bool = False, warp_store_o: bool = False):
+                 stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -223,6 +227,10 @@ class FlashFwdSm90:
         assert not warp_store_o or (wg_epilogue and not shared_o_slot and not varlen
                                     and 16 % pack_gqa == 0)
         self.warp_store_o = warp_store_o
+        # L2 eviction priorities on the TMA copies (FastSm90Forward.l2_hints): K / V, which every
+        # query tile of the head reads again, evict-last; Q (read once per tile) and O (written
+        # once) evict-first, so the streams that pass through L2 once do not push K / V out
+        self.l2_hints = l2_hints
         self.info_stages = TILE_INFO_STAGES_DECODER if tile_decoder else TILE_INFO_STAGES
         self.info_fields = len(TILE_INFO_FIELDS) + (1 if tile_decoder else 0)  # + offset_k
         # each thread's shared-memory addresses for O's staging computed in the epilogue of
@@ -1102,7 +1110,8 @@ class FlashFwdSm90:
         self.trace_phase(trace_at, TRACE_SLOTS["p_q_issued"])
         if const_expr(self.q_stages > 1):
             tQsQ = tQsQ[None, q_state.index]
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
+                  **self.l2_policy(L2_EVICT_FIRST))
         q_state.advance()
         n_iters = cutlass.max(n_block_max - n_block_min, 0)
         visit = (n_block_max,)
@@ -1116,10 +1125,10 @@ class FlashFwdSm90:
                 n_block = self.block_at(i, visit)[0]
             pipe_k.producer_acquire(kv_state)
             cute.copy(tma_atom_K, tKgK[None, n_block], tKsK[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state), **self.l2_policy(L2_EVICT_LAST))
             pipe_v.producer_acquire(kv_state)
             cute.copy(tma_atom_V, tVgV[None, n_block], tVsV[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state), **self.l2_policy(L2_EVICT_LAST))
             kv_state.advance()
         self.trace_phase(trace_at, TRACE_SLOTS["p_kv_issued"])
         return q_state, kv_state
@@ -1826,8 +1835,12 @@ class FlashFwdSm90:
     def tma_store_slice(self, tma_atom_O, s, g):
         tOsO, tOgO = cpasync.tma_partition(tma_atom_O, 0, cute.make_layout(1),
                                            cute.group_modes(s, 0, 2), cute.group_modes(g, 0, 2))
-        cute.copy(tma_atom_O, tOsO, tOgO)
+        cute.copy(tma_atom_O, tOsO, tOgO, **self.l2_policy(L2_EVICT_FIRST))
         cute.arch.cp_async_bulk_commit_group()
+
+    def l2_policy(self, policy: int) -> dict:
+        """The cache_policy argument of a TMA copy (l2_hints), or none (the default priority)."""
+        return {"cache_policy": Int64(policy)} if self.l2_hints else {}
 
     @cute.jit
     def copy_rows(self, tiled, thr, s, g, rows_left, rows: cutlass.Constexpr):
