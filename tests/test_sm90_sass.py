@@ -310,3 +310,35 @@ def test_warp_store_o_where_it_applies():
     assert not FastSm90Forward.warp_store_o(_spec(256, False, 8192))
     assert not FastSm90Forward.warp_store_o(AttentionSpec("varlen", 3, 4096, 4096, 8, 8, 64, 64,
                                                           torch.bfloat16, "cuda", causal=True))
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_l2_hints_on_the_tma_copies(monkeypatch):
+    """FastSm90Forward.l2_hints: at D > 128 every K / V load carries the evict-last policy and
+    the Q load and O store the evict-first one (CUTLASS's CacheHintSm90 values); at hd128 no
+    copy carries either unless the knob asks for them (=1), so that the check can fail."""
+    import dualattn.fast.sm90 as sm90
+    from dualattn.fast.sm90.flash_fwd import L2_EVICT_FIRST, L2_EVICT_LAST
+
+    def policies(spec):
+        ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+        # each TMA copy takes its policy from a 64-bit register set just before it
+        values = dict(re.findall(r"mov\.b64\s+(%rd\d+),\s*(\d+);", ptx))
+        loads = re.findall(r"cp\.async\.bulk\.tensor\.\w+\.shared::cta\.global\.[^\n]*,\s*(%rd\d+);", ptx)
+        stores = re.findall(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared::cta\.[^\n]*,\s*(%rd\d+);", ptx)
+        return [int(values.get(r, 0)) for r in loads], [int(values.get(r, 0)) for r in stores]
+
+    monkeypatch.setattr(sm90, "_L2_HINTS_ENV", "")
+    hd256 = _spec(256, True, 2048)
+    assert FastSm90Forward.l2_hints(hd256)
+    loads, stores = policies(hd256)
+    assert loads.count(L2_EVICT_LAST) >= 2 and L2_EVICT_FIRST in loads, loads  # K, V; Q
+    assert set(loads) == {L2_EVICT_FIRST, L2_EVICT_LAST} and set(stores) == {L2_EVICT_FIRST}, (loads, stores)
+    hd128 = _spec(128, True, 1024)
+    assert not FastSm90Forward.l2_hints(hd128)
+    loads, stores = policies(hd128)
+    assert not {L2_EVICT_FIRST, L2_EVICT_LAST} & set(loads + stores), (loads, stores)
+    monkeypatch.setattr(sm90, "_L2_HINTS_ENV", "1")
+    loads, stores = policies(hd128)
+    assert set(loads) == {L2_EVICT_FIRST, L2_EVICT_LAST} and set(stores) == {L2_EVICT_FIRST}, (loads, stores)

@@ -486,8 +486,16 @@ class FastSm90Forward:
     @staticmethod
     def l2_hints(spec) -> bool:
         """L2 eviction priorities on the kernel's TMA copies (FlashFwdSm90.l2_hints): K / V
-        evict-last, Q and O evict-first. DUALATTN_SM90_L2_HINTS=0 turns them off (comparisons)."""
-        return _L2_HINTS_ENV != "0"
+        evict-last, Q and O evict-first, at D > 128. H100, graph A/B over every bench cell, two
+        readings (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py l2_hints, docs section 36), time
+        on / off: hd256 causal 512-16k 0.959-0.997 / 0.962-0.988, hd256 0.974-1.007 /
+        0.983-1.003; hd64 / hd128 / masks level (0.983-1.010 but for single readings of 0.950
+        and 0.958 the other reading did not repeat); GQA 32/8 non-causal 1.002-1.013; hd192
+        (ci/sm90_env_ab.py) 0.980-1.006. So on at D > 128 only.
+        DUALATTN_SM90_L2_HINTS=0 turns them off, =1 on at every head dim (comparisons)."""
+        if _L2_HINTS_ENV == "0":
+            return False
+        return spec.head_dim > 128 or _L2_HINTS_ENV == "1"
 
     @classmethod
     def trace_phases(cls, spec) -> bool:
