@@ -467,7 +467,7 @@ class FastSm90Forward:
     @classmethod
     def warp_store_o(cls, spec) -> bool:
         """Each consumer warp stages its own 16 rows of O and issues their TMA store (a 16-row
-        box; the staging slot laid out with its rows outer, so a warp's band is contiguous)
+        box; the staging slot laid out in 16-row bands, so a warp's rows are one contiguous piece)
         instead of its warpgroup's 128 threads meeting at two named barriers around the staging
         and one warp storing the 64 rows (FlashFwdSm90.warp_store_o). Batched calls with a
         staging slot per warpgroup (wg_epilogue without shared_o_slot), at Dv <= 64 only, where a
@@ -489,8 +489,8 @@ class FastSm90Forward:
         evict-last, Q and O evict-first, at D > 128. H100, graph A/B over every bench cell, two
         readings (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py l2_hints, docs section 36), time
         on / off: hd256 causal 512-16k 0.959-0.997 / 0.962-0.988, hd256 0.974-1.007 /
-        0.983-1.003; hd64 / hd128 / masks level (0.983-1.010 but for single readings of 0.950
-        and 0.958 the other reading did not repeat); GQA 32/8 non-causal 1.002-1.013; hd192
+        0.983-1.003; hd64 / hd128 / masks level (0.983-1.010, besides single readings of 0.950
+        and 0.958 that the other reading did not repeat); GQA 32/8 non-causal 1.002-1.013; hd192
         (ci/sm90_env_ab.py) 0.980-1.006. So on at D > 128 only.
         DUALATTN_SM90_L2_HINTS=0 turns them off, =1 on at every head dim (comparisons)."""
         if _L2_HINTS_ENV == "0":

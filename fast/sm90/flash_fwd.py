@@ -76,12 +76,12 @@ LN_2 = math.log(2.0)
 # Named barrier ids (0 is __syncthreads).
 _BAR_EPILOGUE = 1     # the consumer threads, around the O staging in shared memory
 _BAR_WG_SCHED = 2     # 2, 3 (, 4): round-robin order of the consumer warpgroups' GEMM issue
+_BAR_EPILOGUE_WG = 5  # 5, 6 (, 7): one warpgroup's threads around its own O rows (wg_epilogue)
+_BAR_O_SLOT = 8       # 8, 9: the shared O slot handed from one warpgroup to the other (shared_o_slot)
 # L2 cache policies of a TMA copy (createpolicy's fractional encoding at fraction 1.0; the values
 # of CUTLASS's CacheHintSm90)
 L2_EVICT_FIRST = 0x12F0000000000000
 L2_EVICT_LAST = 0x14F0000000000000
-_BAR_EPILOGUE_WG = 5  # 5, 6 (, 7): one warpgroup's threads around its own O rows (wg_epilogue)
-_BAR_O_SLOT = 8       # 8, 9: the shared O slot handed from one warpgroup to the other (shared_o_slot)
 # tile_info: the producer decodes each tile's coordinates once and hands them to the consumers
 # through shared memory (the fields of item_coords the consumers read; m_block < 0 ends the loop)
 TILE_INFO_FIELDS = ("m_block", "head", "head_kv", "batch", "n_block_min", "n_block_max",
@@ -594,9 +594,9 @@ class FlashFwdSm90:
                       (mCuQ, mCuK, max_seqlen_q, batch), *self.feature_args(args.values[25:]))
 
     def _smem_layout(self, shape, stages, band_rows: int = 0):
-        """Swizzle atoms tiled down the rows, then across the columns. band_rows: the rows in
-        bands of that many, one after the other, each band laid out so (a contiguous piece of
-        shared memory a TMA box of band_rows rows covers)."""
+        """Swizzle atoms tiled down the rows, then across the columns; with band_rows, first
+        within bands of that many rows and then band after band, so each band is one contiguous
+        piece of shared memory (what a TMA box of band_rows rows reads)."""
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, shape[1]), self.dtype)
         if band_rows:
