@@ -473,8 +473,9 @@ class FastSm90Forward:
         staging slot per warpgroup (wg_epilogue without shared_o_slot), at Dv <= 64 only, where a
         key block is half hd128's work and the epilogue a larger share of a tile. H100, graph
         A/B over every bench cell (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py warp_store_o,
-        docs section 36), time on / off: hd64 1k 0.972, causal 512-16k 0.965-0.993 (a second reading 0.940-1.020;
-        causal 1k 0.978-0.984 over five readings, 2k 0.965-0.985 over three); hd128
+        docs section 36), time on / off: hd64 1k 0.972 / 0.997 / 1.003 (three readings), causal 512-16k
+        0.965-0.993 (a second reading 0.940-1.020; causal 1k 0.978-0.984 over five readings, 2k
+        0.965-0.985 over three); hd128
         non-causal 512-16k 1.007-1.016 and GQA 1.015-1.019 (eight 2 KB stores in place of two
         8 KB ones), so off there. DUALATTN_SM90_WARP_STORE_O=0 turns it off, =1 on wherever it
         applies (comparisons)."""
