@@ -233,6 +233,22 @@ def test_trace_time_checks_catch_bad_configs():
         FlashFwdSm90(cutlass.BFloat16, 256, 256, False, 80, 3)
 
 
+def test_register_split_is_paid_for_by_the_producer(monkeypatch):
+    """setmaxnreg.inc waits until the CTA's pool has the registers: the consumers' increase over
+    the launch allocation must be covered by what the producer warpgroup gives back, or the
+    kernel hangs (a 4-warpgroup build at 96 -> 24 / 120 did, on an H100). Every split in use
+    passes; one 8 registers too many is refused at trace time."""
+    from dualattn.fast.sm90.flash_fwd import FlashFwdSm90
+    for wgs, (producer, consumer) in FlashFwdSm90.REGS.items():
+        launch = FlashFwdSm90.launch_registers(128 * (1 + wgs))
+        assert (consumer - launch) * wgs <= launch - producer, wgs
+        FlashFwdSm90(cutlass.BFloat16, 64, 64, False, 128, 2, num_mma_wg=wgs)
+    assert FlashFwdSm90.launch_registers(384) == 168 and FlashFwdSm90.launch_registers(512) == 128
+    monkeypatch.setitem(FlashFwdSm90.REGS, 3, (32, 168))
+    with pytest.raises(AssertionError):
+        FlashFwdSm90(cutlass.BFloat16, 64, 64, False, 128, 2, num_mma_wg=3)
+
+
 # ---- cached-call fast path: packed arguments (pointers + shapes + strides in one struct) ----
 
 def test_packed_args_roundtrip_on_host():

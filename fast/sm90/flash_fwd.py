@@ -182,6 +182,12 @@ class FlashFwdSm90:
     # producer warpgroup needs few (TMA issue), the consumers hold S, P and O
     REGS = {2: (24, 240), 3: (32, 160)}
 
+    @staticmethod
+    def launch_registers(num_threads: int) -> int:
+        """Registers per thread a CTA of ``num_threads`` starts with: the 64K register file split
+        evenly, rounded down to the allocation step of 8."""
+        return 65536 // num_threads // 8 * 8
+
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
                  num_stages: int, pingpong: bool = True, overlap: bool = True,
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
@@ -373,7 +379,12 @@ class FlashFwdSm90:
             num_mbarriers=2 * (q_stages + 2 * num_stages) + (2 * self.info_stages if tile_info else 0),
             arch=self.arch,
         )
-        assert self.num_mma_regs * self.num_mma_wg * 128 + self.num_producer_regs * 128 <= 65536
+        # setmaxnreg only moves registers within the CTA's launch allocation (the 64K file split
+        # evenly over its threads, in steps of 8): an increase that the producer's decrease does
+        # not pay for waits forever (a 4-warpgroup build at 96 -> 24 / 120 hung on an H100)
+        launch_regs = self.launch_registers(self.num_threads)
+        assert (self.num_mma_regs - launch_regs) * self.num_mma_wg <= launch_regs - self.num_producer_regs, \
+            (self.num_mma_regs, self.num_producer_regs, launch_regs)
         assert pack_gqa == 1 or (self.tile_m % pack_gqa == 0 and not varlen and not self.dynamic_mask)
 
     # ------------------------------------------------------------------------------------------
