@@ -233,6 +233,26 @@ def test_trace_time_checks_catch_bad_configs():
         FlashFwdSm90(cutlass.BFloat16, 256, 256, False, 80, 3)
 
 
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_tile_override_without_intra_warpgroup_overlap_compiles(monkeypatch):
+    """The tuning override's sixth field turns the intra-warpgroup overlap off (one_block: Q K^T,
+    wait, softmax, P V, wait), which no default config uses; the features that need the overlap
+    turn off with it, and the 3-warpgroup hd128 build (docs section 39) traces and assembles."""
+    monkeypatch.setenv("DUALATTN_SM90_TILES", "128:128,2,1,1,3,0")
+    spec = _spec(128, False)
+    assert FastSm90Forward.config(spec)[:5] == (192, 128, 2, True, False)
+    assert not (FastSm90Forward.narrow_first(replace(spec, causal=True))
+                or FastSm90Forward.rescale_before_pv(spec) or FastSm90Forward.pass_empty_wg(spec))
+    ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+    assert _loops_with(ptx, "wgmma.mma_async") >= 1
+    # without the overlap every wgmma group is waited for in full before the next is issued
+    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+    assert waits and set(waits) == {"0"}
+    monkeypatch.delenv("DUALATTN_SM90_TILES")
+    assert FastSm90Forward.config(spec)[4]
+
+
 def test_register_split_is_paid_for_by_the_producer(monkeypatch):
     """setmaxnreg.inc waits until the CTA's pool has the registers: the consumers' increase over
     the launch allocation must be covered by what the producer warpgroup gives back, or the

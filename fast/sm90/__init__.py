@@ -96,7 +96,9 @@ TILE_CONFIG_DV = {(192, 128): (128, 2)}
 
 # Tuning hook (for sweeps against the peers, not for users): DUALATTN_SM90_TILES="128:176,2,0;64:..."
 # overrides, per head dim (D == Dv), tile_n, stages and optionally separate O (0/1), ping-pong
-# (0/1) and the number of consumer warpgroups (2 or 3: tile_m 128 or 192). Every field is in the compile key, so an override never reuses another config's kernel.
+# (0/1), the number of consumer warpgroups (2 or 3: tile_m 128 or 192) and the intra-warpgroup
+# overlap (0/1; 0 waits for each GEMM before the softmax, docs section 39). Every field is in the
+# compile key, so an override never reuses another config's kernel.
 def _tile_override(head_dim: int, head_dim_v: int) -> Optional[Tuple[int, ...]]:
     if head_dim != head_dim_v:
         return None
@@ -383,7 +385,8 @@ class FastSm90Forward:
         if (not separate_o and len(override) <= 2 and wgs == 2 and persistent and _O_SLOT_ENV != "0"
                 and _smem_need(spec, 128, tile_n, stages, 64) <= SMEM_LIMIT["sm_90a"]):
             separate_o = True  # one warpgroup's rows of O fit: FastSm90Forward.shared_o_slot
-        return 64 * wgs, tile_n, stages, pingpong, True, persistent, separate_o
+        overlap = bool(override[5]) if len(override) > 5 else True
+        return 64 * wgs, tile_n, stages, pingpong, overlap, persistent, separate_o
 
     @classmethod
     def shared_o_slot(cls, spec) -> bool:
@@ -707,8 +710,8 @@ class FastSm90Forward:
             and not spec.has_block_sparse and spec.mode == "batched"
         return plain or _Q_REGS_ENV == "1"
 
-    @staticmethod
-    def pass_empty_wg(spec) -> bool:
+    @classmethod
+    def pass_empty_wg(cls, spec) -> bool:
         """A consumer warpgroup with no row inside the sequence passes the tile's key blocks
         (FlashFwdSm90.pass_empty_wg), and non-causal tiles on the persistent grid turn their query
         block by one every lcm(grid, blocks) tiles where the last block is lighter
@@ -720,7 +723,8 @@ class FastSm90Forward:
         0.946-0.975, the rest level (docs section 30). Every config with the intra-warpgroup
         overlap, except key ranges and CSRs (their own visit loops). DUALATTN_SM90_PASS_EMPTY_WG=0
         turns it off, =pass keeps the plain order (comparisons)."""
-        return not (spec.has_key_ranges or spec.has_block_sparse) and _PASS_EMPTY_WG_ENV != "0"
+        return not (spec.has_key_ranges or spec.has_block_sparse) and _PASS_EMPTY_WG_ENV != "0" \
+            and cls.config(spec)[4]
 
     @classmethod
     def rotate_m_blocks(cls, spec) -> bool:
