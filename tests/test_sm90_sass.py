@@ -109,13 +109,26 @@ def test_steady_loop_issues_one_block_and_its_exponentials_within_budget(d, caus
     cost speed directly (docs section 23)."""
     spec = _spec(d, causal, sq)
     tile_m, tile_n = FastSm90Forward.config(spec)[:2]
-    _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
+    controls = []
+    _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path), controls)
     lo, hi = steady_loop(sass)
     budget = loop_budget(sass[lo:hi + 1], tile_m // 64)
     assert budget["tensor_clk"] * 4096 == (tile_m // 64) * 2 * 64 * tile_n * 2 * d, budget
     assert budget["mufu"] == tile_n // 2 + 2, budget
     if d == 64:
         assert budget["issue_clk"] <= 0.9 * budget["tensor_clk"], budget
+    # ptxas spaces one warp's exponentials by stall counts: at least the 8 clocks a warp's
+    # MUFU.EX2 takes its sub-partition's MUFU quarter (docs section 39; ci/sm90_sass_stalls.py),
+    # so 64 exponentials hold a warp's stream for 512 clocks a block whatever else is ready
+    assert len(controls) == len(sass) and all(0 <= c["stall"] <= 15 for c in controls)
+    clock, last, gaps = 0, None, []
+    for line, c in zip(sass[lo:hi + 1], controls[lo:hi + 1]):
+        if opcode(line).startswith("MUFU.EX2"):
+            if last is not None:
+                gaps.append(clock - last)
+            last = clock
+        clock += c["stall"]
+    assert len(gaps) == budget["mufu"] - 1 and min(gaps) >= 8, gaps
 
 
 @pytest.mark.compile_only

@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 from collections import Counter
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 # H100 SXM per-SM rates (NVIDIA H100 whitepaper; CUDA C programming guide, arithmetic instruction
 # throughput for compute capability 9.0): dense bf16 tensor FLOP per clock (989.4 TFLOP/s =
@@ -26,9 +26,10 @@ def tool_dir() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 
 
-def assemble(ptx: str, workdir) -> Tuple[str, List[str]]:
+def assemble(ptx: str, workdir, controls: Optional[list] = None) -> Tuple[str, List[str]]:
     """(ptxas -v log, SASS instruction lines) of ``ptx`` built for sm_90a in ``workdir``. A Triton
-    without ptxas / cuobjdump raises (a check must not silently stop checking)."""
+    without ptxas / cuobjdump raises (a check must not silently stop checking). ``controls``, a
+    list, receives each instruction's scheduling fields (_control), line for line."""
     bin_dir = tool_dir()
     for tool in ("ptxas", "cuobjdump"):
         if not os.path.exists(os.path.join(bin_dir, tool)):
@@ -42,7 +43,25 @@ def assemble(ptx: str, workdir) -> Tuple[str, List[str]]:
         raise RuntimeError(r.stderr[-2000:])
     sass = subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-sass", obj], capture_output=True,
                           text=True, timeout=120).stdout
-    return r.stderr, [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    lines = sass.splitlines()
+    instr = [i for i, ln in enumerate(lines) if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    if controls is not None:
+        controls[:] = [_control(lines[i + 1]) if i + 1 < len(lines) else None for i in instr]
+    return r.stderr, [lines[i] for i in instr]
+
+
+def _control(second_word_line: str):
+    """The scheduling fields ptxas encodes in the top 23 bits of an instruction's second 64-bit
+    word (Volta and later): the stall count (cycles before the warp's next instruction may
+    issue), the yield hint, the variable-latency write / read scoreboards it sets (7: none), the
+    mask of scoreboards it waits on, and the operand-reuse flags."""
+    m = re.search(r"/\* (0x[0-9a-f]{16}) \*/", second_word_line)
+    if not m:
+        return None
+    ctrl = int(m.group(1), 16) >> 41
+    return {"stall": ctrl & 0xF, "yield": (ctrl >> 4) & 1, "write_sb": (ctrl >> 5) & 7,
+            "read_sb": (ctrl >> 8) & 7, "wait_mask": (ctrl >> 11) & 0x3F, "reuse": (ctrl >> 17) & 0xF}
+
 
 
 def opcode(line: str) -> str:
