@@ -1,7 +1,7 @@
 """Do one warpgroup's CUDA-core instructions slow down while another warpgroup's wgmma GEMMs run?
 
-    python ci/tensor_alu_probe.py [--workload softmax|nomufu|mufu] [--gemm SS,RS] [--reps-alu 16]
-                                  [--iters-gemm 0] [--launches 9]          (H100 / H200)
+    python ci/tensor_alu_probe.py [--workload softmax|nomufu|mufu] [--gemm SS,RS] [--modes 0,1]
+                                  [--reps-alu 16] [--iters-gemm 0] [--launches 9]   (H100 / H200)
     python ci/tensor_alu_probe.py --compile-only     (no GPU: builds for sm_90a, counts PTX ops)
 
 Why (docs/bench-h100-20261124.md, sections 37-39): in fast-sm90's hd128 steady loop one
@@ -35,7 +35,8 @@ the same in both modes.
 H200, 2026-11-26 (docs section 39), cycles a round with the GEMMs off -> on: softmax SS 745 ->
 1173 (1.57x), RS 756 -> 1082 (1.43x); without MUFU (--workload nomufu) SS 366 -> 648 (1.77x), RS
 381 -> 663 (1.74x); exponentials and sums only (--workload mufu) SS 582 -> 819 (1.41x), RS 587 ->
-766 (1.31x); GEMM 580-609 cycles a chain.
+766 (1.31x); GEMM 580-609 cycles a chain. Controls (--modes 0,1,2,3), the softmax: warpgroup 0
+resident but blocked at a barrier 0.996-0.997x, running 8 FFMA chains 1.18-1.21x, GEMMs 1.50-1.52x.
 """
 import argparse
 import os
@@ -161,13 +162,21 @@ class Probe:
             atom.set(warpgroup.Field.ACCUMULATE, True)
             cute.arch.barrier()                       # both warpgroups start here
             t0 = cute.arch.clock64()
-            if gemm_on != 0:
+            if gemm_on == 1:
                 for _ in cutlass.range(iters_gemm, unroll=1):
                     warpgroup.fence()
                     for k in cutlass.range_constexpr(cute.size(tCrA.shape[2])):
                         cute.gemm(atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
                     warpgroup.commit_group()
                     warpgroup.wait_group(0)
+            elif gemm_on == 2:
+                # resident but idle: blocked at a named barrier until the ALU warps are done
+                cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+            elif gemm_on == 3:
+                # busy on the CUDA cores instead: 8 independent FFMA chains on the accumulator
+                for _ in cutlass.range(iters_gemm * 64, unroll=1):
+                    for i in cutlass.range_constexpr(8):
+                        acc[i] = acc[i] * Float32(0.999) + Float32(0.001)
             t1 = cute.arch.clock64()
             if lane == 0:
                 stamps[bidx, warp, 0] = t0
@@ -188,6 +197,8 @@ class Probe:
             for _ in cutlass.range(reps_alu, unroll=1):
                 softmax_round(s, row_max, row_sum, scale, self.workload)
             t1 = cute.arch.clock64()
+            if gemm_on == 2:
+                cute.arch.barrier_arrive(barrier_id=1, number_of_threads=THREADS)
             if lane == 0:
                 stamps[bidx, warp, 0] = t0
                 stamps[bidx, warp, 1] = t1
@@ -241,6 +252,8 @@ def main():
     ap.add_argument("--workload", default="softmax", choices=("softmax", "nomufu", "mufu"),
                     help="the ALU warps' work: the whole softmax, without MUFU, or MUFU without the max")
     ap.add_argument("--gemm", default="SS,RS", help="GEMM forms to run: SS, RS or both")
+    ap.add_argument("--modes", default="0,1", help="warpgroup 0's modes: 0 exits, 1 wgmma GEMMs, "
+                    "2 resident but blocked at a barrier, 3 8 FFMA chains (busy CUDA cores)")
     a = ap.parse_args()
     if a.compile_only:
         return compile_only(a.workload)
@@ -261,7 +274,7 @@ def main():
     for rs in [form == "RS" for form in a.gemm.split(",")]:
         fn = compile_probe(rs, "sm_90a", workload=a.workload)
         res = {}
-        for on in (0, 1):
+        for on in [int(m) for m in a.modes.split(",")]:
             alu, gemm, lag, inside = [], [], [], []
             for launch in range(a.launches + 1):
                 fn(ptr(stamps, Int64), ptr(sink, Float32), Int32(sms), Int32(on), Int32(iters),
@@ -277,15 +290,16 @@ def main():
                     inside += [w[1] <= g1 for w in cta[4:]]
             res[on] = statistics.median(alu)
             g = statistics.median(gemm)
-            line = (f"{'RS' if rs else 'SS'} gemm {'on ' if on else 'off'}: ALU warp {res[on]:9.0f} cycles "
+            name = {0: "off", 1: "on ", 2: "idle", 3: "ffma"}[on]
+            line = (f"{'RS' if rs else 'SS'} gemm {name}: ALU warp {res[on]:9.0f} cycles "
                     f"({res[on] / a.reps_alu:7.1f} a softmax round, min {min(alu)}, max {max(alu)}); "
                     f"GEMM warps {g:9.0f} cycles")
-            if on:
+            if on == 1:
                 line += (f" ({g / iters:.0f} a 64x128x128 chain), starting {statistics.median(lag):.0f} after "
                          f"the ALU; ALU ends before the GEMM {100.0 * sum(inside) / len(inside):.1f} %")
             print(line, flush=True)
-        print(f"{'RS' if rs else 'SS'} ratio on / off: {res[1] / res[0]:.3f}"
-              f" (sink checksum {float(sink.double().sum()):.4g})", flush=True)
+        print(f"{'RS' if rs else 'SS'} ratios to off: " + ", ".join(f"mode {m} {res[m] / res[0]:.3f}" for m in res if m)
+              + f" (sink checksum {float(sink.double().sum()):.4g})", flush=True)
 
 
 if __name__ == "__main__":
