@@ -1,6 +1,6 @@
 """Do one warpgroup's CUDA-core instructions slow down while another warpgroup's wgmma GEMMs run?
 
-    python ci/tensor_alu_probe.py [--workload softmax|nomufu|mufu] [--gemm SS,RS] [--modes 0,1]
+    python ci/tensor_alu_probe.py [--workload softmax|nomufu|mufu] [--gemm SS,RS] [--modes 0,1] [--acc f32|f16]
                                   [--reps-alu 16] [--iters-gemm 0] [--launches 9]   (H100 / H200)
     python ci/tensor_alu_probe.py --compile-only     (no GPU: builds for sm_90a, counts PTX ops)
 
@@ -37,6 +37,8 @@ H200, 2026-11-26 (docs section 39), cycles a round with the GEMMs off -> on: sof
 381 -> 663 (1.74x); exponentials and sums only (--workload mufu) SS 582 -> 819 (1.41x), RS 587 ->
 766 (1.31x); GEMM 580-609 cycles a chain. Controls (--modes 0,1,2,3), the softmax: warpgroup 0
 resident but blocked at a barrier 0.996-0.997x, running 8 FFMA chains 1.18-1.21x, GEMMs 1.50-1.52x.
+With an fp16 accumulator (--acc f16, half the registers, same chain time) the GEMMs cost the
+softmax 1.15-1.23x and fp32 work 1.18-1.21x: the slowdown follows the accumulator's traffic.
 """
 import argparse
 import os
@@ -48,7 +50,7 @@ import tempfile
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float32, Int32, Int64, const_expr
+from cutlass import BFloat16, Float16, Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -95,28 +97,33 @@ def softmax_round(s, row_max, row_sum, scale, workload="softmax"):
 
 
 class Probe:
-    def __init__(self, rs: bool, workload: str = "softmax"):
+    def __init__(self, rs: bool, workload: str = "softmax", acc16: bool = False):
         self.rs = rs  # A operand from registers (as P V does) instead of shared memory
+        # fp16 operands with an fp16 accumulator (32 registers a thread instead of 64): whether
+        # the slowdown follows the accumulator's register traffic
+        self.acc16 = acc16
+        self.ab = Float16 if acc16 else BFloat16
+        self.acc = Float16 if acc16 else Float32
         self.workload = workload  # the ALU warps' instructions (softmax_round)
 
     def _smem_layout(self, shape):
         atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, BFloat16, shape[1]), BFloat16)
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.ab, shape[1]), self.ab)
         return cute.tile_to_shape(atom, shape, order=(0, 1))
 
     @cute.jit
     def __call__(self, p_stamps: cute.Pointer, p_sink: cute.Pointer, grid: Int32, gemm_on: Int32,
                  iters_gemm: Int32, reps_alu: Int32, scale: Float32, stream):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            BFloat16, BFloat16, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(1, 1, 1), tiler_mn=(M, N),
+            self.ab, self.ab, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
+            self.acc, atom_layout_mnk=(1, 1, 1), tiler_mn=(M, N),
             a_source=warpgroup.OperandSource.RMEM if const_expr(self.rs) else warpgroup.OperandSource.SMEM)
         sA_layout, sB_layout = self._smem_layout((M, K)), self._smem_layout((N, K))
 
         @cute.struct
         class Storage:
-            sA: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[BFloat16, cute.cosize(sB_layout)], 1024]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab, cute.cosize(sA_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab, cute.cosize(sB_layout)], 1024]
 
         self.storage = Storage
         # stamps: (SM's CTA, warp, start / end) clock64; sink: one fp32 per thread
@@ -141,20 +148,20 @@ class Probe:
         flatA = storage.sA.get_tensor(cute.make_layout(M * K))
         flatB = storage.sB.get_tensor(cute.make_layout(N * K))
         for i in cutlass.range(tidx, M * K, THREADS, unroll=1):
-            flatA[i] = BFloat16(Float32((i % 13) - 6) * Float32(0.0625))
+            flatA[i] = self.ab(Float32((i % 13) - 6) * Float32(0.0625))
         for i in cutlass.range(tidx, N * K, THREADS, unroll=1):
-            flatB[i] = BFloat16(Float32((i % 11) - 5) * Float32(0.0625))
+            flatB[i] = self.ab(Float32((i % 11) - 5) * Float32(0.0625))
         cute.arch.fence_proxy("async.shared", space="cta")  # generic stores -> wgmma reads
         cute.arch.barrier()
 
         if warp < 4:
             # ---- warpgroup 0: wgmma chains ----
             thr_mma = tiled_mma.get_slice(tidx)
-            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((M, N)), Float32)
+            acc = cute.make_rmem_tensor(thr_mma.partition_shape_C((M, N)), self.acc)
             acc.fill(0.0)
             tCrB = thr_mma.make_fragment_B(thr_mma.partition_B(sB))
             if const_expr(self.rs):
-                tCrA = cute.make_rmem_tensor_like(thr_mma.partition_A(sA), BFloat16)
+                tCrA = cute.make_rmem_tensor_like(thr_mma.partition_A(sA), self.ab)
                 tCrA.store(thr_mma.partition_A(sA).load())
             else:
                 tCrA = thr_mma.make_fragment_A(thr_mma.partition_A(sA))
@@ -176,12 +183,12 @@ class Probe:
                 # busy on the CUDA cores instead: 8 independent FFMA chains on the accumulator
                 for _ in cutlass.range(iters_gemm * 64, unroll=1):
                     for i in cutlass.range_constexpr(8):
-                        acc[i] = acc[i] * Float32(0.999) + Float32(0.001)
+                        acc[i] = self.acc(Float32(acc[i]) * Float32(0.999) + Float32(0.001))
             t1 = cute.arch.clock64()
             if lane == 0:
                 stamps[bidx, warp, 0] = t0
                 stamps[bidx, warp, 1] = t1
-            sink[bidx, tidx] = acc.load().reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            sink[bidx, tidx] = acc.load().to(Float32).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
         else:
             # ---- warpgroup 1: a softmax on 64 fp32 registers, 2 rows x 32 columns ----
             s = cute.make_rmem_tensor(64, Float32)
@@ -205,11 +212,11 @@ class Probe:
             sink[bidx, tidx] = row_sum[0] + row_sum[1] + s[0] + s[63]
 
 
-def compile_probe(rs: bool, arch: str, keep_ptx_dir=None, workload="softmax"):
+def compile_probe(rs: bool, arch: str, keep_ptx_dir=None, workload="softmax", acc16=False):
     import cuda.bindings.driver as cuda
     ptr = lambda dt: cute.runtime.make_ptr(dt, 1 << 20, cute.AddressSpace.gmem, assumed_align=16)
     opts = f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {keep_ptx_dir}" if keep_ptx_dir else "")
-    return cute.compile(Probe(rs, workload), ptr(Int64), ptr(Float32), Int32(1), Int32(1), Int32(1), Int32(1),
+    return cute.compile(Probe(rs, workload, acc16), ptr(Int64), ptr(Float32), Int32(1), Int32(1), Int32(1), Int32(1),
                         Float32(1.0), cuda.CUstream(0), options=opts)
 
 
@@ -233,10 +240,10 @@ def sass_summary(ptx: str, d: str) -> str:
     return f"SASS {info}; " + ", ".join(f"{k} x{sass.count(k)}" for k in ops)
 
 
-def compile_only(workload="softmax"):
+def compile_only(workload="softmax", acc16=False):
     for rs in (False, True):
         with tempfile.TemporaryDirectory(prefix="tensor-alu-probe-") as d:
-            ptx = compile_probe(rs, "sm_90a", d, workload).__ptx__
+            ptx = compile_probe(rs, "sm_90a", d, workload, acc16).__ptx__
             ops = ("wgmma.mma_async", "ex2.approx", "max.f32", "wgmma.wait_group", "%clock64")
             print(f"{'RS' if rs else 'SS'}: PTX {len(ptx)} chars; "
                   + ", ".join(f"{k} x{ptx.count(k)}" for k in ops))
@@ -252,11 +259,13 @@ def main():
     ap.add_argument("--workload", default="softmax", choices=("softmax", "nomufu", "mufu"),
                     help="the ALU warps' work: the whole softmax, without MUFU, or MUFU without the max")
     ap.add_argument("--gemm", default="SS,RS", help="GEMM forms to run: SS, RS or both")
+    ap.add_argument("--acc", default="f32", choices=("f32", "f16"),
+                    help="the GEMM's accumulator: fp32 with bf16 operands, or fp16 with fp16 operands")
     ap.add_argument("--modes", default="0,1", help="warpgroup 0's modes: 0 exits, 1 wgmma GEMMs, "
                     "2 resident but blocked at a barrier, 3 8 FFMA chains (busy CUDA cores)")
     a = ap.parse_args()
     if a.compile_only:
-        return compile_only(a.workload)
+        return compile_only(a.workload, a.acc == "f16")
     import torch
     import cuda.bindings.driver as cuda
     dev = torch.cuda.current_device()
@@ -269,10 +278,10 @@ def main():
     sink = torch.zeros(sms, THREADS, dtype=torch.float32, device="cuda")
     ptr = lambda t, dt: cute.runtime.make_ptr(dt, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs; workload {a.workload}; reps_alu {a.reps_alu}, iters_gemm {iters}, "
+    print(f"# {torch.cuda.get_device_name(dev)}, {sms} SMs; workload {a.workload}; {a.acc} accumulator; reps_alu {a.reps_alu}, iters_gemm {iters}, "
           f"{a.launches} launches a mode (first discarded); cycles are %clock64 (SM clocks)")
     for rs in [form == "RS" for form in a.gemm.split(",")]:
-        fn = compile_probe(rs, "sm_90a", workload=a.workload)
+        fn = compile_probe(rs, "sm_90a", workload=a.workload, acc16=a.acc == "f16")
         res = {}
         for on in [int(m) for m in a.modes.split(",")]:
             alu, gemm, lag, inside = [], [], [], []
