@@ -17,7 +17,7 @@ from collections import Counter
 import torch
 
 from dualattn.fast.sm90 import FastSm90Forward
-from dualattn.fast.sm90.sass import assemble, opcode, steady_loop
+from dualattn.fast.sm90.sass import assemble, exp2_spacing, opcode, steady_loop
 from dualattn.spec import AttentionSpec
 
 
@@ -31,13 +31,7 @@ def main():
         _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, tmp, ctrl)
     lo, hi = steady_loop(sass)
     body = list(zip(sass[lo:hi + 1], ctrl[lo:hi + 1]))
-    cycles, gaps, since = 0, [], None
-    for line, c in body:
-        if opcode(line).startswith("MUFU.EX2"):
-            if since is not None:
-                gaps.append(cycles - since)
-            since = cycles
-        cycles += c["stall"]
+    cycles, gaps = exp2_spacing(sass[lo:hi + 1], ctrl[lo:hi + 1])
     print(f"hd{head_dim} {'causal' if causal else 'non-causal'} {seqlen}: steady loop {len(body)} "
           f"instructions, {cycles} cycles of stall counts, {sum(opcode(l).startswith('MUFU.EX2') for l, _ in body)} "
           f"MUFU.EX2")

@@ -18,8 +18,8 @@ pytest.importorskip("cutlass")
 
 from dualattn.spec import AttentionSpec  # noqa: E402
 from dualattn.fast.sm90 import FastSm90Forward  # noqa: E402
-from dualattn.fast.sm90.sass import (assemble, key_block_loops, loop_budget, opcode,  # noqa: E402
-                                    registers_live_through, steady_loop)
+from dualattn.fast.sm90.sass import (assemble, exp2_spacing, key_block_loops, loop_budget,  # noqa: E402
+                                    opcode, registers_live_through, steady_loop)
 
 def _spec(d, causal, sq, **kw):
     return AttentionSpec("batched", 2, sq, sq, 8, 8, d, d, torch.bfloat16, "cuda", causal=causal,
@@ -119,16 +119,12 @@ def test_steady_loop_issues_one_block_and_its_exponentials_within_budget(d, caus
         assert budget["issue_clk"] <= 0.9 * budget["tensor_clk"], budget
     # ptxas spaces one warp's exponentials by stall counts: at least the 8 clocks a warp's
     # MUFU.EX2 takes its sub-partition's MUFU quarter (docs section 39; ci/sm90_sass_stalls.py),
-    # so 64 exponentials hold a warp's stream for 512 clocks a block whatever else is ready
-    assert len(controls) == len(sass) and all(0 <= c["stall"] <= 15 for c in controls)
-    clock, last, gaps = 0, None, []
-    for line, c in zip(sass[lo:hi + 1], controls[lo:hi + 1]):
-        if opcode(line).startswith("MUFU.EX2"):
-            if last is not None:
-                gaps.append(clock - last)
-            last = clock
-        clock += c["stall"]
-    assert len(gaps) == budget["mufu"] - 1 and min(gaps) >= 8, gaps
+    # so 64 exponentials hold a warp's stream for 512 clocks a block whatever else is ready.
+    # Mostly exactly 8: where nothing else is ready ptxas pads to that rate and no more (a
+    # misread control field gives no gap of 8)
+    assert len(controls) == len(sass) and None not in controls
+    _, gaps = exp2_spacing(sass[lo:hi + 1], controls[lo:hi + 1])
+    assert len(gaps) == budget["mufu"] - 1 and min(gaps) >= 8 and gaps.count(8) > len(gaps) // 2, gaps
 
 
 @pytest.mark.compile_only

@@ -63,6 +63,19 @@ def _control(second_word_line: str):
             "read_sb": (ctrl >> 8) & 7, "wait_mask": (ctrl >> 11) & 0x3F, "reuse": (ctrl >> 17) & 0xF}
 
 
+def exp2_spacing(body: List[str], controls: List[dict]) -> Tuple[int, List[int]]:
+    """(stall-count clocks of ``body``, clocks between its consecutive MUFU.EX2): what ptxas's
+    stall counts alone make one warp spend issuing a straight run of code, and how far apart they
+    put its exponentials (``controls``: assemble's fields for the same lines)."""
+    clock, last, gaps = 0, None, []
+    for line, c in zip(body, controls):
+        if opcode(line).startswith("MUFU.EX2"):
+            if last is not None:
+                gaps.append(clock - last)
+            last = clock
+        clock += c["stall"]
+    return clock, gaps
+
 
 def opcode(line: str) -> str:
     """The instruction's opcode with its modifiers (``HGMMA.64x128x16.F32.BF16``), predicate
