@@ -1141,7 +1141,6 @@ def test_element_mask_matches_brute_force_on_every_thread(d, causal, window, hq,
     import types
     from cutlass import Float32
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.cute.nvgpu import warpgroup
     from cutlass.cute.runtime import make_ptr
     from cutlass.cute.typing import AddressSpace
     from dualattn.fast.common.mask import load_key_ranges
@@ -1163,7 +1162,7 @@ def test_element_mask_matches_brute_force_on_every_thread(d, causal, window, hq,
         out = cute.make_tensor(out_ptr, cute.make_layout((bm, bn), stride=(bn, 1)))
         mKR = cute.make_tensor(kr_ptr, cute.make_layout(max(2 * nkr, 1) * sq_max))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            kern.dtype, kern.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            kern.dtype, kern.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, atom_layout_mnk=(bm // 64, 1, 1), tiler_mn=(64, bn))
         for tidx in cutlass.range(bm // 64 * 128, unroll=1):
             thr = tiled_mma.get_slice(tidx)

@@ -273,7 +273,6 @@ def _probe(spec):
     from cutlass.cute.typing import AddressSpace
     from dualattn.fast.sm90 import FastSm90Forward
     import cutlass.utils.hopper_helpers as sm90_utils
-    from cutlass.cute.nvgpu import warpgroup
     from dualattn.fast.sm90.flash_fwd import _Ctx, _acc_mn_layout
 
     impl = FastSm90Forward()
@@ -289,7 +288,7 @@ def _probe(spec):
         # one consumer thread's accumulator fragment, partitioned as the kernel's Q K^T wgmma
         # does (the element masks rely on its column pattern: FlashFwdSm90.mask_by_row_bits)
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            kern.dtype, kern.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            kern.dtype, kern.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN))
         thr = tiled_mma.get_slice(tidx)
         tScS = thr.partition_C(cute.make_identity_tensor((BM, BN)))

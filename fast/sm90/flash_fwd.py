@@ -42,7 +42,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, Uint32, const_expr
 from cutlass import pipeline
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum
 
 from cutlass import Boolean
 
@@ -411,11 +411,11 @@ class FlashFwdSm90:
 
         D, Dv, BM, BN = self.head_dim, self.head_dim_v, self.tile_m, self.tile_n
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
             Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN),
             a_source=warpgroup.OperandSource.RMEM if const_expr(self.q_regs) else warpgroup.OperandSource.SMEM)
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN,
             Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, Dv),
             a_source=warpgroup.OperandSource.RMEM)
 
@@ -634,7 +634,7 @@ class FlashFwdSm90:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
                 cpasync.prefetch_descriptor(atom)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
 
         producer_group = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -1248,7 +1248,7 @@ class FlashFwdSm90:
         if const_expr(self.narrow_first):
             # the first BN / 2 keys of every K stage, as an N = BN / 2 wgmma's B operand
             tiled_mma_qk_narrow = sm90_utils.make_trivial_tiled_mma(
-                self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+                self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
                 Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, BN // 2),
                 a_source=warpgroup.OperandSource.RMEM if const_expr(self.q_regs) else warpgroup.OperandSource.SMEM)
             sK_lower = cute.composition(
