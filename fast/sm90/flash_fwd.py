@@ -925,7 +925,8 @@ class FlashFwdSm90:
                                            cutlass.min, cutlass.max)
                 m_block, rest, active = window_order_tile(
                     tile, cute.arch.grid_dim()[0], num_m_blocks, hb, light,
-                    self.l2_section_heads(hb, num_heads, seqlen_k, mK, vl), cutlass.min, cutlass.max)
+                    self.l2_section_heads(hb, num_heads, seqlen_k, mK, vl),
+                    self.l2_section_heads(hb, num_heads, (light + 1) * BN, mK, vl), cutlass.min, cutlass.max)
             elif const_expr(self.varlen and not self.varlen_sections):
                 m_block = num_m_blocks - 1 - tile // hb
                 rest = tile % hb
