@@ -136,13 +136,16 @@ def test_compile_key_is_explicit_and_shape_free():
     assert FORWARD.compile_key(_spec(softcap=5.0), 90) == FORWARD.compile_key(_spec(softcap=30.0), 90)
     assert FORWARD.compile_key(_spec(window=(5, -1)), 90) != FORWARD.compile_key(_spec(window=(-1, 5)), 90)
     # windows with a left bound on the persistent grid run the window order instead of the pairs
-    # (FastSm90Forward.window_order, the last field)
-    win = FORWARD.compile_key(_spec(window=(64, 0), causal=True), 90)
+    # from 4096 query rows (FastSm90Forward.window_order, the last field)
+    win = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4096, sk=4096), 90)
     assert win[-1] is True and win[-9] is False
+    short = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4095, sk=4096), 90)
+    assert short[-1] is False and short[-9] is True
 
 
 MASK_CONFIGS = [dict(window=(64, 0)), dict(window=(-1, 32)), dict(window=(33, 7), causal=True),
-                dict(softcap=20.0, causal=True)]
+                dict(softcap=20.0, causal=True),
+                dict(window=(1024, 0), causal=True, sq=4096, sk=4096)]  # the window order
 
 
 @pytest.mark.compile_only
@@ -151,6 +154,7 @@ MASK_CONFIGS = [dict(window=(64, 0)), dict(window=(-1, 32)), dict(window=(33, 7)
 def test_window_and_softcap_configs_compile(kw):
     spec = _spec(128, **kw)
     assert FastSm90Forward.can_implement_static(spec) is None
+    assert FastSm90Forward.window_order(spec) == ("sq" in kw)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= 1
     if "softcap" in kw:  # tanh (expanded into ex2 / rcp) is applied to every score
