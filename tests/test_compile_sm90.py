@@ -107,7 +107,7 @@ def test_compile_key_is_explicit_and_shape_free():
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, False, True, True, False, 2, False, True, False, False, False, True, False,
-                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a")
+                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False)
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -123,22 +123,29 @@ def test_compile_key_is_explicit_and_shape_free():
     # TMA copies, FastSm90Forward.l2_hints, index 29)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
-    assert FORWARD.compile_key(_spec(128), 90)[-3] == 4 and FORWARD.compile_key(_spec(64), 90)[-3] == 1
+    assert FORWARD.compile_key(_spec(128), 90)[-4] == 4 and FORWARD.compile_key(_spec(64), 90)[-4] == 1
     # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls with the keys
     assert FORWARD.compile_key(_spec(192, sk=8192), 90)[16] is True
     # the paired causal order is compiled in (persistent causal grids only)
-    assert FORWARD.compile_key(_spec(64, True), 90)[-8] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-9] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
-    assert FORWARD.compile_key(_spec(128), 90)[-6] == 0.0
+    assert FORWARD.compile_key(_spec(128), 90)[-7] == 0.0
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
     # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
     assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)
     assert FORWARD.compile_key(_spec(softcap=5.0), 90) == FORWARD.compile_key(_spec(softcap=30.0), 90)
     assert FORWARD.compile_key(_spec(window=(5, -1)), 90) != FORWARD.compile_key(_spec(window=(-1, 5)), 90)
+    # windows with a left bound on the persistent grid run the window order instead of the pairs
+    # from 4096 query rows (FastSm90Forward.window_order, the last field)
+    win = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4096, sk=4096), 90)
+    assert win[-1] is True and win[-9] is False
+    short = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4095, sk=4096), 90)
+    assert short[-1] is False and short[-9] is True
 
 
 MASK_CONFIGS = [dict(window=(64, 0)), dict(window=(-1, 32)), dict(window=(33, 7), causal=True),
-                dict(softcap=20.0, causal=True)]
+                dict(softcap=20.0, causal=True),
+                dict(window=(1024, 0), causal=True, sq=4096, sk=4096)]  # the window order
 
 
 @pytest.mark.compile_only
@@ -147,6 +154,7 @@ MASK_CONFIGS = [dict(window=(64, 0)), dict(window=(-1, 32)), dict(window=(33, 7)
 def test_window_and_softcap_configs_compile(kw):
     spec = _spec(128, **kw)
     assert FastSm90Forward.can_implement_static(spec) is None
+    assert FastSm90Forward.window_order(spec) == ("sq" in kw)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= 1
     if "softcap" in kw:  # tanh (expanded into ex2 / rcp) is applied to every score
@@ -375,7 +383,7 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
     # causal varlen tiles run heaviest first within L2 sections of (sequence, head) pairs (GQA and
     # short sequences: not in pairs, see test_varlen_paired_order_compiles)
-    assert FORWARD.compile_key(spec, 90)[-7] is causal and not FastSm90Forward.paired(spec)
+    assert FORWARD.compile_key(spec, 90)[-8] is causal and not FastSm90Forward.paired(spec)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
@@ -402,7 +410,7 @@ def test_varlen_paired_order_compiles(d):
     long_seq = PAIRED_VARLEN_MIN_SEQLEN[d]
     spec = AttentionSpec("varlen", 10, long_seq, long_seq, 8, 8, d, d, torch.bfloat16, "cuda", causal=True,
                          return_lse=True)
-    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-8] is True
+    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-9] is True
     for other in (replace(spec, num_heads_kv=2), replace(spec, seqlen_q=long_seq - 1),
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
@@ -775,7 +783,7 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     shared-memory budget (checked at trace time) still met at hd128 (224 KB + barriers)."""
     hd128 = _spec(128, False, sq=8192, sk=8192)
     assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
-    assert FORWARD.compile_key(hd128, 90)[-9] == 2
+    assert FORWARD.compile_key(hd128, 90)[-10] == 2
     assert FastSm90Forward.q_stages(_spec(128, True, sq=32768, sk=32768)) == 1  # one CTA per tile
     assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
     kern = FORWARD.make_kernel(hd128)
@@ -799,7 +807,7 @@ def test_o_rescale_placement_rule():
     assert not before(_spec(256, False, sq=8192, sk=8192)) and thr(_spec(256, False, sq=8192, sk=8192)) == 8.0
     kern = FORWARD.make_kernel(_spec(128, False, sq=8192, sk=8192))
     assert kern.rescale_before_pv and kern.rescale_threshold == 0.0
-    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-5] is True
+    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-6] is True
 
 
 @pytest.mark.compile_only

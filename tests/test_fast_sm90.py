@@ -70,6 +70,16 @@ for _w, _c in (((64, 0), False), ((-1, 32), False), ((100, -1), False), ((33, 7)
 _case("win", 2, 1000, 1000, 4, 2, 256, "bfloat16", False, window=(128, 128))
 _case("win", 2, 1000, 1000, 4, 2, 128, "float16", False, "1", window=(77, 0))
 _case("win", 2, 1000, 1000, 4, 2, 128, "bfloat16", True, "1", window=(300, -1))
+# the window order (FastSm90Forward.window_order; tile_order.window_order_tile; on by default
+# from 4096 query rows, forced on below) on grids of a few CTAs, so that the snake turns and the
+# full tiles' L2 sections and the light tiles (clipped at key 0) spread over several rounds:
+# light 3 of 8 blocks; none (Sk - Sq past the window); 9 of 11 (Sq > Sk) with a right bound and
+# GQA; the bench's W = 1024 in fp16; and one by default on the real SM count
+_case("winorder", 2, 1000, 1000, 4, 2, 128, "bfloat16", True, num_sms=5, window_order="1", window=(300, 0))
+_case("winorder", 1, 700, 1300, 4, 4, 64, "bfloat16", True, num_sms=7, window_order="1", window=(500, 0))
+_case("winorder", 2, 1300, 700, 6, 2, 96, "bfloat16", False, num_sms=6, window_order="1", window=(500, 20))
+_case("winorder", 2, 2000, 2000, 2, 2, 128, "float16", True, num_sms=11, window_order="1", window=(1024, 0))
+_case("winorder", 1, 4224, 4224, 4, 2, 128, "bfloat16", True, window=(1000, 0))
 for _c in (False, True):
     _case("softcap", 2, 777, 777, 4, 2, 128, "bfloat16", _c, softcap=20.0)
     _case("softcap", 1, 113, 203, 4, 4, 64, "float16", _c, softcap=5.0)
@@ -510,6 +520,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._SPLIT_TAIL_ENV = kw.pop("split_tail", "")
             sm90._PASS_EMPTY_WG_ENV = kw.pop("pass_empty_wg", "")
             sm90._O_SLOT_ENV = kw.pop("o_slot", "")
+            sm90._WINDOW_ORDER_ENV = kw.pop("window_order", "")
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
             sm90.FORWARD._entries.clear()

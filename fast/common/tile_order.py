@@ -240,6 +240,58 @@ def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda 
     return tail
 
 
+# -- the window order: full tiles in L2 sections, then the light ones, dealt in a snake ---------
+#
+# A causal sliding window (left bound W) gives every query block the same W / tile_n + 1 key
+# blocks, except the first ceil(W / tile_m) blocks of each head, clipped at key 0 (1, 2, ... W /
+# tile_n blocks). The paired order's units (p, n - 1 - p) then differ in work wherever p is light,
+# and its static stride left the bench's window 1024 cell (hd128, 16 heads x 16k, 132 SMs) at
+# 0.944 of the mean CTA load in tests/test_tile_order.py's model (CTAs of 16 full tiles beside
+# ones of 14 and two light). Instead: the full tiles first, heaviest-first L2 sections as the
+# causal order has them (their K/V window stays in L2), then every head's light tiles heaviest
+# first (in sections of heads whose first key blocks fit L2 together), the slots dealt in a snake
+# (round k forwards, round k + 1 backwards) so that the heavy light tiles meet the CTAs the snake
+# left lighter: 0.991 in the same model, as longest-processing-time first (0.991).
+
+def light_query_blocks(win_left, seqlen_q, seqlen_k, tile_m, num_m_blocks, minimum, maximum):
+    """Query blocks at the start of a head whose first row's left window bound falls before
+    key 0 (bottom-right aligned: row i sees keys from i + Sk - Sq - W), i.e. the blocks the
+    clip at key 0 leaves lighter; at most ``num_m_blocks``."""
+    return minimum((maximum(win_left - (seqlen_k - seqlen_q), 0) + tile_m - 1) // tile_m,
+                   num_m_blocks)
+
+
+def window_order_slots(num_tiles, num_ctas):
+    """Bound of the loop over window_order_tile's slots: whole rounds of the grid."""
+    return num_ctas * ((num_tiles + num_ctas - 1) // num_ctas)
+
+
+def window_order_tile(slot, num_ctas, num_m_blocks, num_bh, light, section_heads, light_section_heads,
+                      minimum, maximum):
+    """(m_block, bh, valid) of slot ``slot`` of the window order: slot k G + c (CTA c of a grid
+    of G striding by G) takes item k G + c in even rounds and k G + G - 1 - c in odd ones;
+    items [0, F) are the F = (num_m_blocks - light) * num_bh full tiles in
+    heavy_first_in_sections' order over query blocks light .. num_m_blocks - 1, then the light
+    tiles in the same order over blocks 0 .. light - 1 in sections of ``light_section_heads``
+    (heads whose first light + 1 key blocks fit L2 together: every head at the bench's shapes).
+    ``valid`` is false for the items past the last tile (the last round's snake). Branch-free
+    (the kernel traces it with Int32 operands)."""
+    k = slot // num_ctas
+    pos = slot - k * num_ctas
+    item = k * num_ctas + pos + (k - (k // 2) * 2) * (num_ctas - 1 - 2 * pos)
+    full_blocks = num_m_blocks - light
+    full_tiles = full_blocks * num_bh
+    in_light = minimum(maximum(item - full_tiles + 1, 0), 1)  # 0 or 1
+    m_full, bh_full = heavy_first_in_sections(minimum(item, maximum(full_tiles - 1, 0)),
+                                              maximum(full_blocks, 1), num_bh, section_heads, minimum)
+    # (both clamped into their ranges: the last round's items past the tiles divide by nothing)
+    j = minimum(maximum(item - full_tiles, 0), maximum(light * num_bh - 1, 0))
+    m_light, bh_light = heavy_first_in_sections(j, maximum(light, 1), num_bh, light_section_heads, minimum)
+    m_block = (m_full + light) + (m_light - m_full - light) * in_light
+    bh = bh_full + (bh_light - bh_full) * in_light
+    return m_block, bh, item < num_m_blocks * num_bh
+
+
 def varlen_paired_units(tiles_per_sequence, num_heads):
     """Units of the varlen paired order: sequence by sequence, paired_units(n, heads) for a
     sequence of n query blocks. A CPU model of the kernel's search (FlashFwdSm90.varlen_unit_doc)

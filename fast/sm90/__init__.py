@@ -49,6 +49,7 @@ _PERSISTENT_ENV = os.environ.get("DUALATTN_SM90_PERSISTENT", "")
 _PACK_GQA_ENV = os.environ.get("DUALATTN_SM90_PACK_GQA", "")  # see FastSm90Forward.pack_gqa
 _Q_STAGES_ENV = os.environ.get("DUALATTN_SM90_Q_STAGES", "")  # see FastSm90Forward.q_stages
 _PAIRED_ENV = os.environ.get("DUALATTN_SM90_PAIRED", "")  # see FastSm90Forward.paired
+_WINDOW_ORDER_ENV = os.environ.get("DUALATTN_SM90_WINDOW_ORDER", "")  # see FastSm90Forward.window_order
 _VARLEN_SECTIONS_ENV = os.environ.get("DUALATTN_SM90_VARLEN_SECTIONS", "")  # see .varlen_sections
 _RESCALE_THRESHOLD_ENV = os.environ.get("DUALATTN_SM90_RESCALE_THRESHOLD", "")  # see .rescale_threshold
 _RESCALE_BEFORE_PV_ENV = os.environ.get("DUALATTN_SM90_RESCALE_BEFORE_PV", "")  # see .rescale_before_pv
@@ -167,6 +168,17 @@ def _short_masked_tiles(spec) -> bool:
     return keys <= PERSISTENT_MAX_TILE_KEYS
 
 
+# query rows from which sliding windows run the window order (FastSm90Forward.window_order).
+# H100, bf16, causal windows, CUDA-graph replays interleaved (ci/sm90_env_ab.py
+# "_WINDOW_ORDER_ENV=0" "" window:b,s,h,d,left), time window order / pairs: 16k x 16 heads hd128
+# W = 1024 (the bench's cell) 0.965 / 0.966 / 0.985, W = 2048 0.918 / 0.922; 8k x 2 x 16
+# W = 1024 0.975 / 0.981; 4k x 4 x 16 W = 1024 0.977, W = 512 0.981; hd64 16k x 32 W = 1024
+# 0.984 / 0.976, 4k x 4 x 32 W = 256 0.978. Below 4k mixed: 2k x 8 W = 1024 0.988 and hd64 1k x
+# 16 x 32 W = 512 0.926, but 2k x 8 W = 512 1.040, 1k x 16 W = 512 1.027-1.039 and 512 x 32
+# W = 256 1.251. There the light tiles are a large share of a call with many heads: run last,
+# each reads its head's first key blocks again from memory, long after the full tiles did, where
+# the pairs read a head's blocks together.
+WINDOW_ORDER_MIN_SEQLEN = 4096
 CAUSAL_3WG_MIN_SEQLEN = 4096  # causal hd64 from this many queries runs 3 warpgroups (below)
 RESCALE_THRESHOLD = 8.0  # see FastSm90Forward.rescale_threshold: P <= 2^8 between rescales
 RESCALE_THRESHOLD_MIN_DV = 192
@@ -553,7 +565,7 @@ class FastSm90Forward:
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
                 self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.warp_store_o(spec), self.l2_hints(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
-                self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch))
+                self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch), self.window_order(spec))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -630,7 +642,28 @@ class FastSm90Forward:
         masked_right = spec.causal or spec.window[1] >= 0
         return (persistent and masked_right and not spec.has_key_ranges
                 and not spec.has_block_sparse and _PAIRED_ENV != "0"
-                and (spec.mode != "varlen" or _paired_varlen(spec)))
+                and (spec.mode != "varlen" or _paired_varlen(spec)) and not cls.window_order(spec))
+
+    @classmethod
+    def window_order(cls, spec) -> bool:
+        """Sliding windows (left bound; causal or a right bound) on the persistent
+        grid run the window order (fast/common/tile_order.window_order_tile) instead of the
+        pairs: every query block visits the same key blocks except the first few of each head,
+        clipped at key 0, so pairs (p, n - 1 - p) differ in work wherever p is one of those, and
+        the static stride of pairs left the bench's window cell at 0.944 of the mean CTA load
+        (tests/test_tile_order.py's model); full tiles first, then the light ones in a snake:
+        0.991. A right bound past the diagonal leaves the last ceil(right / tile_m) blocks a little
+        lighter too; they come first in their sections. Batched, unpacked rows, no key ranges or
+        CSR, and from WINDOW_ORDER_MIN_SEQLEN query rows (below, the pairs' head-by-head order
+        won: see there). DUALATTN_SM90_WINDOW_ORDER=0 turns it off, =1 on wherever allowed
+        (comparisons, tests)."""
+        persistent = cls.config(spec)[5]
+        allowed = (persistent and spec.mode == "batched" and spec.window[0] >= 0
+                   and (spec.causal or spec.window[1] >= 0) and not spec.has_key_ranges
+                   and not spec.has_block_sparse and cls.pack_gqa(spec) == 1)
+        if _WINDOW_ORDER_ENV in ("0", "1"):
+            return allowed and _WINDOW_ORDER_ENV == "1"
+        return allowed and spec.seqlen_q >= WINDOW_ORDER_MIN_SEQLEN
 
     @classmethod
     def wg_epilogue(cls, spec) -> bool:
@@ -935,7 +968,7 @@ class FastSm90Forward:
                             tile_decoder=self.tile_decoder(spec),
                             stmatrix_o=self.stmatrix_o(spec),
                             warp_store_o=self.warp_store_o(spec),
-                            l2_hints=self.l2_hints(spec))
+                            l2_hints=self.l2_hints(spec), window_order=self.window_order(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -54,6 +54,7 @@ from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_
                                               paired_tile, paired_units, rotated_m_block,
                                               split_tail_slots,
                                               split_tail_tile, stream_k_piece,
+                                              light_query_blocks, window_order_slots, window_order_tile,
                                               tile_share)
 from dualattn.fast.common.mask import (
     apply_key_ranges,
@@ -201,7 +202,8 @@ class FlashFwdSm90:
                  pass_empty_wg: bool = False, rotate_m_blocks: bool = False,
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
-                 stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False):
+                 stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False,
+                 window_order: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -314,6 +316,12 @@ class FlashFwdSm90:
         # first across all sequences and heads at once
         assert not varlen_sections or (varlen and self.mask_right)
         self.varlen_sections = varlen_sections
+        # causal sliding windows on the persistent grid: the full tiles in L2 sections, then the
+        # light ones (clipped at key 0), dealt in a snake (tile_order.window_order_tile;
+        # FastSm90Forward.window_order decides)
+        assert not window_order or (persistent and self.mask_right and self.mask_left and not paired
+                                    and not (varlen or self.dynamic_mask) and pack_gqa == 1)
+        self.window_order = window_order
         # O staged in its own buffer: Q's buffer is handed back before the epilogue, so the next
         # tile's Q load overlaps this tile's epilogue (where shared memory allows it)
         self.separate_o = separate_o
@@ -722,6 +730,8 @@ class FlashFwdSm90:
             n = split_tail_slots(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
                                  cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]),
                                  cute.arch.grid_dim()[0], sk[0], cutlass.min)
+        elif const_expr(self.window_order):
+            n = window_order_slots(n, cute.arch.grid_dim()[0])
         elif const_expr(self.paired):
             gx = cute.arch.grid_dim()[0]
             units = paired_units(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
@@ -910,6 +920,13 @@ class FlashFwdSm90:
                                                         hb, split[0], cutlass.max, cutlass.min)
             elif const_expr(self.paired):
                 m_block, rest, active = paired_tile(tile, cute.arch.grid_dim()[0], num_m_blocks, hb)
+            elif const_expr(self.window_order):
+                light = light_query_blocks(win_left, seqlen_q, seqlen_k, BM, num_m_blocks,
+                                           cutlass.min, cutlass.max)
+                m_block, rest, active = window_order_tile(
+                    tile, cute.arch.grid_dim()[0], num_m_blocks, hb, light,
+                    self.l2_section_heads(hb, num_heads, seqlen_k, mK, vl),
+                    self.l2_section_heads(hb, num_heads, (light + 1) * BN, mK, vl), cutlass.min, cutlass.max)
             elif const_expr(self.varlen and not self.varlen_sections):
                 m_block = num_m_blocks - 1 - tile // hb
                 rest = tile % hb
@@ -958,10 +975,16 @@ class FlashFwdSm90:
         its K/V, so a section holds that many more. Varlen: mK holds every sequence's keys; the
         longest query sequence stands in for a sequence's key count (exact for self-attention;
         only the order depends on it)."""
+        return heavy_first_in_sections(tile, num_m_blocks, hb,
+                                       self.l2_section_heads(hb, num_heads, seqlen_k, mK, vl), cutlass.min)
+
+    @cute.jit
+    def l2_section_heads(self, hb, num_heads, seqlen_k, mK, vl):
+        """(batch, head) pairs of a heaviest-first L2 section (heavy_first_in_l2_sections)."""
         kv_rows = vl[2] if const_expr(self.varlen) else seqlen_k
         section = heads_per_section(kv_rows, (self.head_dim + self.head_dim_v) * self.dtype.width // 8,
                                     cutlass.max) * (num_heads // cute.size(mK.shape[2]))
-        return heavy_first_in_sections(tile, num_m_blocks, hb, cutlass.min(section, hb), cutlass.min)
+        return cutlass.min(section, hb)
 
     @cute.jit
     def varlen_unit_doc(self, unit, vl, num_heads):
