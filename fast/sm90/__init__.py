@@ -170,14 +170,14 @@ def _short_masked_tiles(spec) -> bool:
 
 # query rows from which sliding windows run the window order (FastSm90Forward.window_order).
 # H100, bf16, causal windows, CUDA-graph replays interleaved (ci/sm90_env_ab.py
-# "_WINDOW_ORDER_ENV=0" "" window:b,s,h,d,left), time window order / pairs: 16k x 16 heads hd128
-# W = 1024 (the bench's cell) 0.965 / 0.966 / 0.985, W = 2048 0.918 / 0.922; 8k x 2 x 16
-# W = 1024 0.975 / 0.981; 4k x 4 x 16 W = 1024 0.977, W = 512 0.981; hd64 16k x 32 W = 1024
-# 0.984 / 0.976, 4k x 4 x 32 W = 256 0.978. Below 4k mixed: 2k x 8 W = 1024 0.988 and hd64 1k x
-# 16 x 32 W = 512 0.926, but 2k x 8 W = 512 1.040, 1k x 16 W = 512 1.027-1.039 and 512 x 32
-# W = 256 1.251. There the light tiles are a large share of a call with many heads: run last,
-# each reads its head's first key blocks again from memory, long after the full tiles did, where
-# the pairs read a head's blocks together.
+# "_WINDOW_ORDER_ENV=0" "" window:b,s,h,d,left), time window order / pairs, (batch x seqlen x
+# heads): hd128 1 x 16k x 16 W = 1024 (the bench's cell) 0.965 / 0.966 / 0.985, W = 2048 0.918 /
+# 0.922; 2 x 8k x 16 W = 1024 0.975 / 0.981; 4 x 4k x 16 W = 1024 0.977, W = 512 0.981; hd64
+# 1 x 16k x 32 W = 1024 0.984 / 0.976, 4 x 4k x 32 W = 256 0.978. Below 4k mixed: 8 x 2k x 16
+# W = 1024 0.988 and hd64 16 x 1k x 32 W = 512 0.926, but 8 x 2k x 16 W = 512 1.040, 16 x 1k x
+# 16 W = 512 1.027-1.039 and 32 x 512 x 16 W = 256 1.251. There the light tiles are a large share
+# of a call with many heads: run last, each reads its head's first key blocks again from memory,
+# long after the full tiles did, where the pairs read a head's blocks together.
 WINDOW_ORDER_MIN_SEQLEN = 4096
 CAUSAL_3WG_MIN_SEQLEN = 4096  # causal hd64 from this many queries runs 3 warpgroups (below)
 RESCALE_THRESHOLD = 8.0  # see FastSm90Forward.rescale_threshold: P <= 2^8 between rescales
