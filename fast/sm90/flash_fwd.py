@@ -316,9 +316,9 @@ class FlashFwdSm90:
         # first across all sequences and heads at once
         assert not varlen_sections or (varlen and self.mask_right)
         self.varlen_sections = varlen_sections
-        # causal sliding windows on the persistent grid: the full tiles in L2 sections, then the
-        # light ones (clipped at key 0), dealt in a snake (tile_order.window_order_tile;
-        # FastSm90Forward.window_order decides)
+        # sliding windows (left bound; causal or a right bound) on the persistent grid: the full
+        # tiles in L2 sections, then the light ones (clipped at key 0), dealt in a snake
+        # (tile_order.window_order_tile; FastSm90Forward.window_order decides)
         assert not window_order or (persistent and self.mask_right and self.mask_left and not paired
                                     and not (varlen or self.dynamic_mask) and pack_gqa == 1)
         self.window_order = window_order
