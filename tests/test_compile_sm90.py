@@ -107,7 +107,7 @@ def test_compile_key_is_explicit_and_shape_free():
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, False, True, True, False, 2, False, True, False, False, False, True, False,
-                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False)
+                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False)
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -123,24 +123,29 @@ def test_compile_key_is_explicit_and_shape_free():
     # TMA copies, FastSm90Forward.l2_hints, index 29)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
-    assert FORWARD.compile_key(_spec(128), 90)[-4] == 4 and FORWARD.compile_key(_spec(64), 90)[-4] == 1
+    assert FORWARD.compile_key(_spec(128), 90)[-5] == 4 and FORWARD.compile_key(_spec(64), 90)[-5] == 1
     # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls with the keys
     assert FORWARD.compile_key(_spec(192, sk=8192), 90)[16] is True
     # the paired causal order is compiled in (persistent causal grids only)
-    assert FORWARD.compile_key(_spec(64, True), 90)[-9] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-10] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
-    assert FORWARD.compile_key(_spec(128), 90)[-7] == 0.0
+    assert FORWARD.compile_key(_spec(128), 90)[-8] == 0.0
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
     # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
     assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)
     assert FORWARD.compile_key(_spec(softcap=5.0), 90) == FORWARD.compile_key(_spec(softcap=30.0), 90)
     assert FORWARD.compile_key(_spec(window=(5, -1)), 90) != FORWARD.compile_key(_spec(window=(-1, 5)), 90)
     # windows with a left bound on the persistent grid run the window order instead of the pairs
-    # from 4096 query rows (FastSm90Forward.window_order, the last field)
+    # from 4096 query rows (FastSm90Forward.window_order, the second last field); with a left
+    # bound at D <= 128 the last key block may run on its upper half (FastSm90Forward.narrow_last,
+    # the last field)
     win = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4096, sk=4096), 90)
-    assert win[-1] is True and win[-9] is False
+    assert win[-2] is True and win[-10] is False
     short = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4095, sk=4096), 90)
-    assert short[-1] is False and short[-9] is True
+    assert short[-2] is False and short[-10] is True
+    assert win[-1] is True and short[-1] is True
+    assert FORWARD.compile_key(_spec(window=(-1, 5)), 90)[-1] is False  # no left bound
+    assert FORWARD.compile_key(_spec(256, window=(64, 0)), 90)[-1] is False  # D > 128
 
 
 MASK_CONFIGS = [dict(window=(64, 0)), dict(window=(-1, 32)), dict(window=(33, 7), causal=True),
@@ -383,7 +388,7 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
     # causal varlen tiles run heaviest first within L2 sections of (sequence, head) pairs (GQA and
     # short sequences: not in pairs, see test_varlen_paired_order_compiles)
-    assert FORWARD.compile_key(spec, 90)[-8] is causal and not FastSm90Forward.paired(spec)
+    assert FORWARD.compile_key(spec, 90)[-9] is causal and not FastSm90Forward.paired(spec)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
@@ -410,7 +415,7 @@ def test_varlen_paired_order_compiles(d):
     long_seq = PAIRED_VARLEN_MIN_SEQLEN[d]
     spec = AttentionSpec("varlen", 10, long_seq, long_seq, 8, 8, d, d, torch.bfloat16, "cuda", causal=True,
                          return_lse=True)
-    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-9] is True
+    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-10] is True
     for other in (replace(spec, num_heads_kv=2), replace(spec, seqlen_q=long_seq - 1),
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
@@ -783,7 +788,7 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     shared-memory budget (checked at trace time) still met at hd128 (224 KB + barriers)."""
     hd128 = _spec(128, False, sq=8192, sk=8192)
     assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
-    assert FORWARD.compile_key(hd128, 90)[-10] == 2
+    assert FORWARD.compile_key(hd128, 90)[-11] == 2
     assert FastSm90Forward.q_stages(_spec(128, True, sq=32768, sk=32768)) == 1  # one CTA per tile
     assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
     kern = FORWARD.make_kernel(hd128)
@@ -807,7 +812,7 @@ def test_o_rescale_placement_rule():
     assert not before(_spec(256, False, sq=8192, sk=8192)) and thr(_spec(256, False, sq=8192, sk=8192)) == 8.0
     kern = FORWARD.make_kernel(_spec(128, False, sq=8192, sk=8192))
     assert kern.rescale_before_pv and kern.rescale_threshold == 0.0
-    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-6] is True
+    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-7] is True
 
 
 @pytest.mark.compile_only
@@ -950,6 +955,96 @@ def test_wg_key_block_end_hides_only_blocks_no_row_of_the_warpgroup_sees(d, sq, 
                     assert visits is None or visits[n], (sq_, sk, m, w, n)   # a masked visit
                     seen_hidden += 1
     assert seen_hidden > (20 if g == 1 else 0)
+
+
+def test_narrow_last_visit_order_is_the_consumers_and_a_permutation():
+    """block_info.masked_last_visit (the TMA warp's order in narrow_last configs) visits every
+    key block of the tile once, and in the consumers' order: the first block, the unmasked
+    ones, then every masked one after the first (right-masked, then left-masked), so one
+    loop runs all the masked steps (FlashFwdSm90.blocks_after_first_narrow_last)."""
+    from dualattn.fast.common.block_info import masked_last_groups, masked_last_visit
+
+    def select(c, a, b):
+        return a if c else b
+
+    for n in range(0, 12):
+        for n_masked in range(0, n + 1):
+            for n_left in range(0, n - n_masked + 1):
+                order = [masked_last_visit(i, n, n_masked, n_left, max, select) for i in range(n)]
+                assert sorted(order) == list(range(n)), (n, n_masked, n_left, order)
+                if n == 0:
+                    continue
+                u0, unmasked, right, l0 = masked_last_groups(n, n_masked, n_left, max)
+                consumer = ([0] + [u0 + i for i in range(unmasked)]
+                            + [1 + i if i < right else l0 + i - right for i in range(right + max(n - l0, 0))])
+                assert order == consumer, (n, n_masked, n_left)
+                masked = [v < n_masked or v >= n - n_left for v in order]
+                # after the first: the unmasked visits, then only masked ones
+                tail = masked[1:]
+                assert tail == sorted(tail), (n, n_masked, n_left, masked)
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("d,sq,window,hq,hkv", [
+    (128, 1000, (300, 0), 4, 4),    # ping-pong 128 x 128 tiles, causal window
+    (64, 5000, (1024, 0), 4, 4),    # 3 warpgroups, 192 x 128 tiles
+    (96, 1000, (77, 200), 4, 4),    # a two-sided window
+    (128, 48, (100, 0), 32, 8),     # packed GQA rows
+])
+def test_narrow_last_block_holds_no_key_of_the_warpgroup_in_its_lower_half(d, sq, window, hq, hkv):
+    """last_block_is_narrow (the kernel's own code, compiled for the host): where it says a
+    warpgroup may compute only the upper half of key block n, none of the warpgroup's rows sees
+    a key in the lower half, and where it says no, one does (so the test is exact, not only
+    safe), over random shapes and left bounds and every key block."""
+    import random
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+    from dualattn.fast.sm90.flash_fwd import _Ctx
+
+    base = AttentionSpec("batched", 1, sq, sq, hq, hkv, d, d, torch.bfloat16, "cuda",
+                         causal=window[1] == 0, window=(window[0], -1 if window[1] == 0 else window[1]),
+                         return_lse=True)
+    assert FastSm90Forward.narrow_last(base)
+    kern = FastSm90Forward().make_kernel(base)
+    assert kern.narrow_last
+    g, bm, bn = kern.pack_gqa, kern.tile_m, kern.tile_n
+    wgs = bm // 64
+    nb = -(-3 * sq // bn) + 8
+
+    @cute.jit
+    def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win_left: Int32, num_m: Int32):
+        out = cute.make_tensor(out_ptr, cute.make_layout((num_m, wgs, nb), stride=(wgs * nb, nb, 1)))
+        for m in cutlass.range(num_m, unroll=1):
+            for w in cutlass.range_constexpr(wgs):
+                ctx = _Ctx(m_block=m, wg=w, seqlen_q=rows, seqlen_k=seqlen_k, win_left=win_left)
+                for n in cutlass.range(nb, unroll=1):
+                    out[m, w, n] = Int32(kern.last_block_is_narrow(ctx, n))
+
+    fn = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0)
+    rng = random.Random(5)
+    narrow_seen = 0
+    for trial in range(40):
+        sq_ = sq if trial == 0 else rng.randint(1, sq)
+        sk = sq_ if trial == 0 else rng.choice([sq_, rng.randint(1, 3 * sq_ + 200),
+                                                sq_ + rng.choice([1, 31, 64, 65, 113])])
+        wl = window[0] if trial == 0 else rng.randint(0, 2 * bn + 50)
+        num_m = -(-(g * sq_) // bm)
+        out = torch.full((num_m, wgs, nb), -7, dtype=torch.int32)
+        fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq_, sk, wl, num_m)
+        assert int(out.min()) >= 0
+        offs = sk - sq_
+        for m in range(num_m):
+            for w in range(wgs):
+                qs = {(m * bm + 64 * w + r) // g for r in range(64) if m * bm + 64 * w + r < g * sq_}
+                first_seen = min((max(i + offs - wl, 0) for i in qs), default=1 << 30)
+                for n in range(nb):
+                    if out[m, w, n]:
+                        assert first_seen >= n * bn + bn // 2, (sq_, sk, wl, m, w, n, first_seen)
+                        narrow_seen += 1
+                    elif qs:  # exact: the first row's first key is the warpgroup's first
+                        assert first_seen < n * bn + bn // 2, (sq_, sk, wl, m, w, n, first_seen)
+    assert narrow_seen > 10
 
 
 @pytest.mark.compile_only

@@ -80,6 +80,18 @@ _case("winorder", 1, 700, 1300, 4, 4, 64, "bfloat16", True, num_sms=7, window_or
 _case("winorder", 2, 1300, 700, 6, 2, 96, "bfloat16", False, num_sms=6, window_order="1", window=(500, 20))
 _case("winorder", 2, 2000, 2000, 2, 2, 128, "float16", True, num_sms=11, window_order="1", window=(1024, 0))
 _case("winorder", 1, 4224, 4224, 4, 2, 128, "bfloat16", True, window=(1000, 0))
+# the left edge's key block on its upper half (FastSm90Forward.narrow_last; on by default with a
+# left bound at D <= 128, so the window cases above run it too): aligned windows, where the second
+# warpgroup's rows of every full tile run it, with the old three loops beside ("0"); 3 warpgroups
+# (192-row tiles); a two-sided window; softcap; fp16 with Sq < Sk; the persistent window order
+for _nl in ("", "0"):
+    _case("narrowlast", 2, 2048, 2048, 4, 2, 128, "bfloat16", True, narrow_last=_nl, window=(1024, 0))
+_case("narrowlast", 1, 5000, 5000, 4, 4, 64, "bfloat16", True, window=(1024, 0))
+_case("narrowlast", 2, 1000, 1100, 4, 2, 96, "bfloat16", False, window=(77, 200))
+_case("narrowlast", 2, 777, 777, 4, 2, 128, "bfloat16", True, window=(300, 0), softcap=20.0)
+_case("narrowlast", 1, 700, 1300, 4, 1, 64, "float16", True, window=(256, 0))
+_case("narrowlast", 1, 4224, 4224, 4, 2, 128, "bfloat16", True, "1", num_sms=9, window_order="1",
+      window=(512, 0))
 for _c in (False, True):
     _case("softcap", 2, 777, 777, 4, 2, 128, "bfloat16", _c, softcap=20.0)
     _case("softcap", 1, 113, 203, 4, 4, 64, "float16", _c, softcap=5.0)
@@ -521,6 +533,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._PASS_EMPTY_WG_ENV = kw.pop("pass_empty_wg", "")
             sm90._O_SLOT_ENV = kw.pop("o_slot", "")
             sm90._WINDOW_ORDER_ENV = kw.pop("window_order", "")
+            sm90._NARROW_LAST_ENV = kw.pop("narrow_last", "")
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
             sm90.FORWARD._entries.clear()
@@ -547,6 +560,7 @@ def _run_worker(out_path: str, group: str) -> None:
                 rec["wg_key_bound"] = impl.name == "fast-sm90" and impl.wg_key_bound(call.spec)
                 rec["split_tail"] = impl.name == "fast-sm90" and impl.split_tail(call.spec)
                 rec["o_slot"] = impl.name == "fast-sm90" and impl.shared_o_slot(call.spec)
+                rec["narrow_last"] = impl.name == "fast-sm90" and impl.narrow_last(call.spec)
                 rec["split_groups"] = (impl.scalar_fields(call.spec, sm90._num_sms(q.device))[-1]
                                        if rec["split_tail"] else 0)
                 outs = []
@@ -653,6 +667,8 @@ def test_forward_matches_oracle(results, case):
         assert r["o_slot"] is not name.startswith("oslot-off")
     if name.startswith("oslot-") and not name.startswith("oslot-off") and "stream_k1" in name:
         assert r["sk_tiles"] > 0, "no tile was cut: the pieces' hand-over did not run"
+    if name.startswith("narrowlast-"):  # the left edge's narrow step reached the kernel (or not)
+        assert r["narrow_last"] is ("-narrow_last0-" not in name)
     if name.startswith("splittail-"):  # the tail order the case names reached the kernel
         assert r["split_tail"] is not name.startswith("splittail-off")
         assert (r["split_groups"] > 0) is not name.startswith("splittail-off")

@@ -134,9 +134,11 @@ def test_masked_loops_test_bits_not_keys_where_bit_masks_are_on(bit_mask, tmp_pa
     """With masks from a bit set per row (FastSm90Forward.bit_mask) a masked key-block loop of a
     window config holds about as many integer compares as the unmasked one and moves the bits
     into predicates with R2P; with a compare per element and bound (DUALATTN_SM90_BIT_MASK=0,
-    the planted contrast) it holds 128 more compares."""
+    the planted contrast) it holds 128 more compares. (With the three loops of configs without
+    narrow_last; test_narrow_last_runs_every_masked_block_in_one_loop covers the one loop.)"""
     import dualattn.fast.sm90 as sm90
     monkeypatch.setattr(sm90, "_BIT_MASK_ENV", bit_mask)
+    monkeypatch.setattr(sm90, "_NARROW_LAST_ENV", "0")
     spec = _spec(128, True, 16384, window=(1024, 0))
     assert FastSm90Forward.bit_mask(spec) == (bit_mask == "")
     _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
@@ -149,6 +151,31 @@ def test_masked_loops_test_bits_not_keys_where_bit_masks_are_on(bit_mask, tmp_pa
             assert count(lo, hi, "ISETP") <= steady + 8 and count(lo, hi, "R2P") >= 4
         else:
             assert count(lo, hi, "ISETP") >= steady + 64 and count(lo, hi, "R2P") == 0
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+def test_narrow_last_runs_every_masked_block_in_one_loop(tmp_path):
+    """FastSm90Forward.narrow_last (a window config, D = 128): the masked blocks after the first
+    run in one key-block loop that holds both the full masked step (N = 128 Q K^T) and the narrow
+    one (N = 64), with bit masks (R2P); the unmasked loop holds no mask; the wgmma descriptors
+    stay in uniform registers (a pipeline state advanced inside the branch once moved them:
+    hundreds of R2UR) and nothing is serialized or spilled."""
+    spec = _spec(128, True, 16384, window=(1024, 0))
+    assert FastSm90Forward.narrow_last(spec) and FastSm90Forward.narrow_first(spec)
+    log, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
+    assert "serialized" not in log and "C75" not in log, log[-500:]
+    assert max(int(n) for n in re.findall(r"(\d+) bytes spill stores", log)) == 0
+    count = lambda lo, hi, op: sum(op in ln for ln in sass[lo:hi + 1])
+    loops = key_block_loops(sass)
+    masked = [(lo, hi) for lo, hi in loops if count(lo, hi, " FSEL") > 8]
+    assert len(masked) == 1, [(lo, hi, count(lo, hi, " FSEL")) for lo, hi in loops]
+    lo, hi = masked[0]
+    assert count(lo, hi, "HGMMA.64x64x16") > 0 and count(lo, hi, "HGMMA.64x128x16") > 0
+    assert count(lo, hi, " R2P") >= 4
+    lo, hi = steady_loop(sass)
+    assert count(lo, hi, " FSEL") <= 8 and count(lo, hi, "HGMMA.64x64x16") == 0  # (no mask there)
+    assert sum("R2UR" in ln for ln in sass) < 64
 
 
 @pytest.mark.compile_only

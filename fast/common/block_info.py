@@ -56,3 +56,28 @@ def csr_block_at(it: Int32, mFC: cute.Tensor, mMC: cute.Tensor, f_col0: Int32, m
     else:
         col = mFC[f_col0 + e - m_cnt]
     return col * ratio_n + (it - e * ratio_n), is_mask
+
+
+def masked_last_groups(n_blocks, n_masked, n_masked_left, maximum):
+    """(u0, unmasked, right, l0) of a tile's key-block visits in the narrow_last order, visits
+    numbered v = 0 .. n_blocks - 1 from the top block down (v = 0: block n_block_max - 1). The
+    top ``n_masked`` visits need the right mask, the bottom ``n_masked_left`` the left one. Other
+    configs visit them in that order; this one keeps v = 0 first, then the unmasked visits
+    [u0, u0 + unmasked), then the rest of the right-masked ones [1, 1 + right), then the
+    left-masked ones [l0, n_blocks): the masked visits after the first run together in one
+    loop, whose steps can then be masked or narrow at run time without a second copy of the
+    masked step in the code (FlashFwdSm90.narrow_last)."""
+    u0 = maximum(n_masked, 1)
+    l0 = maximum(n_blocks - n_masked_left, 1)
+    return u0, maximum(l0 - u0, 0), maximum(n_masked - 1, 0), l0
+
+
+def masked_last_visit(i, n_blocks, n_masked, n_masked_left, maximum, select):
+    """Visit v of the ``i``-th key block a tile loads in the narrow_last order
+    (masked_last_groups): plain integer arithmetic, so the TMA warp (``select`` =
+    cutlass.select_) and the CPU tests run the same code."""
+    u0, unmasked, right, l0 = masked_last_groups(n_blocks, n_masked, n_masked_left, maximum)
+    j = i - 1
+    v = select(j < unmasked + right, 1 + j - unmasked, l0 + j - unmasked - right)
+    v = select(j < unmasked, u0 + j, v)
+    return select(i == 0, i, v)

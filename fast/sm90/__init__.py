@@ -64,6 +64,7 @@ _PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .p
 _O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.shared_o_slot
 _STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # see .staging_per_tile
 _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .narrow_first
+_NARROW_LAST_ENV = os.environ.get("DUALATTN_SM90_NARROW_LAST", "")  # see .narrow_last
 _TILE_DECODER_ENV = os.environ.get("DUALATTN_SM90_TILE_DECODER", "")  # see .tile_decoder
 _STMATRIX_O_ENV = os.environ.get("DUALATTN_SM90_STMATRIX_O", "")  # see .stmatrix_o
 _WARP_STORE_O_ENV = os.environ.get("DUALATTN_SM90_WARP_STORE_O", "")  # see .warp_store_o
@@ -455,6 +456,23 @@ class FastSm90Forward:
         return spec.head_dim <= 128 or _NARROW_FIRST_ENV == "1"
 
     @classmethod
+    def narrow_last(cls, spec) -> bool:
+        """The mirror image of narrow_first at a left window bound: a consumer warpgroup whose
+        rows see none of the lower half of the tile's last key block (the left edge's) computes
+        only its upper half there (FlashFwdSm90.narrow_last). With a window of W keys and
+        128-row tiles aligned to the key blocks, the second warpgroup's 64 rows see the edge
+        block's upper 64 keys in every tile. Such configs run the blocks between the first and
+        the last in one loop that masks per block at run time, so the kernel holds no more
+        copies of the step than without it. D <= 128 (as narrow_first); not key ranges or CSR.
+        DUALATTN_SM90_NARROW_LAST=0 turns it off, =1 on wherever it applies (comparisons)."""
+        _, tile_n, _, _, overlap, _, _ = cls.config(spec)
+        if _NARROW_LAST_ENV == "0" or not (overlap and (tile_n // 2) % 8 == 0):
+            return False
+        if spec.window[0] < 0 or spec.has_key_ranges or spec.has_block_sparse or cls.wg_key_bound(spec):
+            return False  # (wg_key_bound passes the top visits, which this order moves)
+        return spec.head_dim <= 128 or _NARROW_LAST_ENV == "1"
+
+    @classmethod
     def tile_decoder(cls, spec) -> bool:
         """A warp of the producer warpgroup decodes the tiles' coordinates ahead of time
         (FlashFwdSm90.tile_decoder) for the TMA warp and the consumers, instead of the TMA warp
@@ -565,7 +583,8 @@ class FastSm90Forward:
                 self.split_tail(spec), self.bit_mask(spec), self.tile_info(spec), self.q_regs(spec), self.pass_empty_wg(spec) + self.rotate_m_blocks(spec),
                 self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.warp_store_o(spec), self.l2_hints(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
-                self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch), self.window_order(spec))
+                self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch), self.window_order(spec),
+                self.narrow_last(spec))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -968,7 +987,8 @@ class FastSm90Forward:
                             tile_decoder=self.tile_decoder(spec),
                             stmatrix_o=self.stmatrix_o(spec),
                             warp_store_o=self.warp_store_o(spec),
-                            l2_hints=self.l2_hints(spec), window_order=self.window_order(spec))
+                            l2_hints=self.l2_hints(spec), window_order=self.window_order(spec),
+                            narrow_last=self.narrow_last(spec))
 
     @staticmethod
     def arg_schema(spec):

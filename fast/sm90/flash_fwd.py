@@ -48,7 +48,8 @@ from cutlass import Boolean
 
 from dualattn.fast.common.codegen import per_use_i32, trace_registers
 from dualattn.fast.common.softmax import merge_scales, mul_rn, tree_reduce
-from dualattn.fast.common.block_info import block_needs_mask, csr_block_at, csr_row
+from dualattn.fast.common.block_info import (block_needs_mask, csr_block_at, csr_row, masked_last_groups,
+                                             masked_last_visit)
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_slot,
                                               paired_tile, paired_units, rotated_m_block,
@@ -203,7 +204,7 @@ class FlashFwdSm90:
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
                  stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False,
-                 window_order: bool = False):
+                 window_order: bool = False, narrow_last: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -218,6 +219,15 @@ class FlashFwdSm90:
         assert not narrow_first or (overlap and (tile_n // 2) % 8 == 0 and (causal or window_right)
                                     and num_key_ranges == 0 and not block_sparse)
         self.narrow_first = narrow_first
+        # the mirror image at the left window edge: a warpgroup whose rows see none of the lower
+        # half of the tile's last key block (a left bound: the second warpgroup's 64 rows of a
+        # 128-row tile whose edge crosses that block) computes its upper half only. Configs
+        # with it run the blocks between the first and the last in one loop that decides the
+        # mask per block at run time (consume), so the narrow step costs no extra copy of the
+        # step in the code
+        assert not narrow_last or (overlap and (tile_n // 2) % 8 == 0 and window_left
+                                   and num_key_ranges == 0 and not block_sparse and not wg_key_bound)
+        self.narrow_last = narrow_last
         # tile_decoder: a warp of the producer warpgroup (warp 1) decodes the tiles' coordinates
         # (item_coords: 1200-2700 cycles a tile at hd128 1k on the H100, phase trace) and hands
         # them, up to info_stages tiles ahead, to the TMA warp and the consumers through shared
@@ -1089,7 +1099,7 @@ class FlashFwdSm90:
                 pipe_q, pipe_k, pipe_v, win_left, win_right, vl=None, kr=None, bs=None, sk=None,
                 pipe_info=None, s_info=None, mLSE=None):
         loads = (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v,
-                 kr, bs, mLSE)
+                 kr, bs, mLSE, win_left, win_right)
         # (the tile-info ring: this warp writes it, or with the decoder warp reads it)
         info_state = pipeline.make_pipeline_state(
             pipeline.PipelineUserType.Consumer if const_expr(self.tile_decoder) else pipeline.PipelineUserType.Producer,
@@ -1104,7 +1114,7 @@ class FlashFwdSm90:
             while m_block >= 0:
                 q_state, kv_state = self.load_tile(
                     loads, (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q,
-                            offset_q, offset_k), q_state, kv_state)
+                            offset_q, offset_k, seqlen_k), q_state, kv_state)
                 (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
                  offset_q, _, _, offset_k, info_state) = self.get_tile_info(pipe_info, s_info, info_state,
                                                                             self.info_fields)
@@ -1117,8 +1127,9 @@ class FlashFwdSm90:
         """The TMA warp's loads of one tile: its Q, then its key blocks' K and V in visiting order
         (the diagonal / tail first; key ranges and CSRs by their plan)."""
         (tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mV, sQ, sK, sV, pipe_q, pipe_k, pipe_v, kr, bs,
-         mLSE) = loads
-        m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q, offset_k = coords
+         mLSE, win_left, win_right) = loads
+        (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q, offset_k,
+         seqlen_k) = coords
         BN, D, Dv = self.tile_n, self.head_dim, self.head_dim_v
         gQ = self.q_tile_gmem(mQ, m_block, head_idx, batch_idx, offset_q)
         if const_expr(self.varlen):
@@ -1153,8 +1164,15 @@ class FlashFwdSm90:
             # the same plan the consumers compute (this warp alone: every lane agrees)
             n_iters, visit, _ = self.visit_plan(m_block, head_idx, batch_idx, n_block_min,
                                                 n_block_max, seqlen_q, offset_q, kr, bs)
+        if const_expr(self.narrow_last):
+            # the consumers' order (blocks_after_first_narrow_last)
+            n_masked, n_masked_left = self.masked_block_counts(
+                m_block, n_block_min, n_block_max, seqlen_q, seqlen_k, win_left, win_right)
         for i in cutlass.range(n_iters, unroll=1):
             n_block = n_block_max - 1 - i
+            if const_expr(self.narrow_last):
+                n_block = n_block_max - 1 - masked_last_visit(i, n_iters, n_masked, n_masked_left,
+                                                              cutlass.max, cutlass.select_)
             if const_expr(self.dynamic_mask):
                 n_block = self.block_at(i, visit)[0]
             pipe_k.producer_acquire(kv_state)
@@ -1205,7 +1223,7 @@ class FlashFwdSm90:
                 if const_expr(loading is not None):
                     q_state, kv_state = self.load_tile(
                         loads, (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q,
-                                offset_q, offset_k), q_state, kv_state)
+                                offset_q, offset_k, seqlen_k), q_state, kv_state)
             tile += step
         if const_expr(self.tile_info):
             # the end of the readers' loops
@@ -1268,7 +1286,8 @@ class FlashFwdSm90:
         tSrK = wg_slice_qk.make_fragment_B(wg_slice_qk.partition_B(sK))        # (MMA, 1, D/16, st)
         tOrVt = wg_slice_pv.make_fragment_B(wg_slice_pv.partition_B(sVt))      # (MMA, 1, BN/16, st)
         tiled_mma_qk_narrow, tSrK_narrow, narrow_acc_layout = None, None, None
-        if const_expr(self.narrow_first):
+        tSrK_upper = None
+        if const_expr(self.narrow_first or self.narrow_last):
             # the first BN / 2 keys of every K stage, as an N = BN / 2 wgmma's B operand
             tiled_mma_qk_narrow = sm90_utils.make_trivial_tiled_mma(
                 self.dtype, self.dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K,
@@ -1278,6 +1297,10 @@ class FlashFwdSm90:
                 sK, cute.make_layout((BN // 2, D, self.num_stages), stride=(1, BN, BN * D)))
             wg_slice_narrow = tiled_mma_qk_narrow.get_slice(wg * 128)
             tSrK_narrow = wg_slice_narrow.make_fragment_B(wg_slice_narrow.partition_B(sK_lower))
+            if const_expr(self.narrow_last):
+                # and the last BN / 2 (narrow_last): the stage's second half along the keys
+                sK_upper = cute.flat_divide(sK, (BN // 2,))[None, 1, None, None]
+                tSrK_upper = wg_slice_narrow.make_fragment_B(wg_slice_narrow.partition_B(sK_upper))
             # its accumulator is the first half of the full one's registers (column blocks of 8
             # in order: wgmma's register layout), so the softmax runs on a prefix view
             narrow_acc_layout = cute.make_layout(
@@ -1378,7 +1401,7 @@ class FlashFwdSm90:
                            win_left=win_left, win_right=win_right, softcap_scale=softcap_scale,
                            softcap_val=softcap_val, kr=None, inter=None, corr_prev=corr_prev,
                            tiled_mma_qk_narrow=tiled_mma_qk_narrow, tSrK_narrow=tSrK_narrow,
-                           narrow_acc_layout=narrow_acc_layout)
+                           narrow_acc_layout=narrow_acc_layout, tSrK_upper=tSrK_upper)
                 if const_expr(self.dynamic_mask):
                     n_blocks, visit, ctx.inter = self.visit_plan(
                         m_block, head_idx, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q,
@@ -1468,16 +1491,20 @@ class FlashFwdSm90:
                         self.first_half_block(ctx, n_block_max - 1, kv_state, tOrP, first_masked,
                                               narrow=narrow)
                         self.trace_phase(trace_at, TRACE_SLOTS["first_block"])
-                        for i in cutlass.range(n_right, unroll=1):
-                            kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
-                                                             tOrP)
-                        for i in cutlass.range(n_unmasked, unroll=1):
-                            kv_state = self.overlapped_block(
-                                ctx, False, n_block_max - 2 - n_right - i, kv_state, tOrP)
-                        if const_expr(self.mask_left):
-                            for i in cutlass.range(n_left, unroll=1):
+                        if const_expr(self.narrow_last):
+                            kv_state = self.blocks_after_first_narrow_last(
+                                ctx, kv_state, tOrP, n_block_max, n_blocks, n_masked, n_masked_left)
+                        else:
+                            for i in cutlass.range(n_right, unroll=1):
+                                kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
+                                                                 tOrP)
+                            for i in cutlass.range(n_unmasked, unroll=1):
                                 kv_state = self.overlapped_block(
-                                    ctx, True, n_block_min + n_left - 1 - i, kv_state, tOrP)
+                                    ctx, False, n_block_max - 2 - n_right - i, kv_state, tOrP)
+                            if const_expr(self.mask_left):
+                                for i in cutlass.range(n_left, unroll=1):
+                                    kv_state = self.overlapped_block(
+                                        ctx, True, n_block_min + n_left - 1 - i, kv_state, tOrP)
                         kv_state = self.last_half_block(ctx, kv_state, tOrP)
                         self.trace_phase(trace_at, TRACE_SLOTS["last_pv"])
 
@@ -1903,13 +1930,15 @@ class FlashFwdSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def mask_scores(self, ctx, acc_S_mn, n_block, tail_only: cutlass.Constexpr = False):
+    def mask_scores(self, ctx, acc_S_mn, n_block, tail_only: cutlass.Constexpr = False,
+                    col_offset: cutlass.Constexpr = 0):
         """key j visible to query i iff j < Sk, (right bound) j <= i + Sk - Sq + win_right and
         (left bound) j >= i + Sk - Sq - win_left, and j in one of the row's key ranges; column
         indices relative to the block. ``tail_only``: j < Sk alone (a block-sparse full entry,
         where the caller promises the predicate, can still hold the key tail)."""
         BM, BN = self.tile_m, self.tile_n
-        col0 = n_block * BN
+        # (col_offset: acc_S_mn holds the block's columns from there, narrow_last's upper half)
+        col0 = n_block * BN + col_offset
         if const_expr(tail_only):
             for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
                 in_seq = ctx.tScS_mn[0, c][1] < ctx.seqlen_k - col0
@@ -1997,7 +2026,8 @@ class FlashFwdSm90:
                 acc_S_mn[r, c] = score_or_neg_inf(visible, acc_S_mn[r, c])
 
     @cute.jit
-    def maybe_mask(self, ctx, acc_S_mn, n_block, masked, csr_mask_entry=True):
+    def maybe_mask(self, ctx, acc_S_mn, n_block, masked, csr_mask_entry=True,
+                   col_offset: cutlass.Constexpr = 0):
         """Mask if ``masked``: a Python bool (dense configs: decided at trace time) or a run-time
         Boolean (key ranges / block-sparse). Block-sparse: ``csr_mask_entry`` (run time: the
         block is a CSR mask entry) selects the element predicate, else only the key tail (full
@@ -2014,7 +2044,7 @@ class FlashFwdSm90:
             if const_expr(masked):
                 # a trace-time False selector: a block-sparse full entry holding the key tail
                 self.mask_scores(ctx, acc_S_mn, n_block,
-                                 const_expr(self.block_sparse and csr_mask_entry is False))
+                                 const_expr(self.block_sparse and csr_mask_entry is False), col_offset)
         else:
             if masked:
                 if const_expr(self.block_sparse):
@@ -2023,7 +2053,7 @@ class FlashFwdSm90:
                     else:
                         self.mask_scores(ctx, acc_S_mn, n_block, True)
                 else:
-                    self.mask_scores(ctx, acc_S_mn, n_block)
+                    self.mask_scores(ctx, acc_S_mn, n_block, False, col_offset)
 
     @cute.jit
     def apply_softcap(self, ctx, acc_S):
@@ -2223,12 +2253,72 @@ class FlashFwdSm90:
         self.convert_P(acc_S, tOrP)
 
     @cute.jit
-    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP, csr_mask_entry=True):
+    def blocks_after_first_narrow_last(self, ctx, kv_state, tOrP, n_block_max, n_blocks, n_masked,
+                                       n_masked_left):
+        """(narrow_last) The tile's blocks after its first in the narrow_last order
+        (block_info.masked_last_groups; the TMA warp loads them so): the unmasked ones in their
+        loop, then every masked one in one loop whose steps each run whole, masked or, where
+        this warpgroup's rows see none of the block's lower half keys, narrow. So the kernel
+        holds three copies of the step, as other configs' three loops do. (A run-time mask
+        branch inside one step, beside the P V in flight, made ptxas serialize every wgmma:
+        C7514; one loop over all three kinds of step ran 3-13 % slower than three loops.)"""
+        u0, n_unmasked, n_right, l0 = masked_last_groups(n_blocks, n_masked, n_masked_left,
+                                                         cutlass.max)
+        for i in cutlass.range(n_unmasked, unroll=1):
+            kv_state = self.overlapped_block(ctx, False, n_block_max - 1 - u0 - i, kv_state, tOrP)
+        for i in cutlass.range(n_right + cutlass.max(n_blocks - l0, 0), unroll=1):
+            visit = cutlass.select_(i < n_right, 1 + i, l0 + i - n_right)
+            n_block = n_block_max - 1 - visit
+            # the pipeline states advance outside the branch: advanced in both paths, they met
+            # at its join as values ptxas no longer held warp-uniform, and every wgmma
+            # descriptor after it moved from uniform registers (244 R2UR; 2-6 % slower)
+            kv_state_v = kv_state.clone()
+            kv_state.advance()
+            if self.last_block_is_narrow(ctx, n_block):
+                self.overlapped_step(ctx, True, n_block, kv_state, kv_state_v, tOrP, narrow_upper=True)
+            else:
+                self.overlapped_step(ctx, True, n_block, kv_state, kv_state_v, tOrP)
+        return kv_state
+
+    @cute.jit
+    def last_block_is_narrow(self, ctx, n_block):
+        """Whether this warpgroup's rows see no key in the lower half of block ``n_block``: its
+        first row's first visible key (left bound) is at least the upper half's first key."""
+        first_row = self.q_pos(ctx.m_block * self.tile_m + 64 * ctx.wg)
+        key_lo = first_row + ctx.seqlen_k - self.q_count(ctx.seqlen_q) - ctx.win_left
+        return key_lo >= n_block * self.tile_n + self.tile_n // 2
+
+    @cute.jit
+    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP, csr_mask_entry=True,
+                         narrow_upper: cutlass.Constexpr = False):
+        """S = Q K^T of block ``n_block`` beside the previous block's P V, then its mask and
+        softmax. ``narrow_upper`` (narrow_last): the Q K^T, mask and softmax of the block's upper
+        half keys only (this warpgroup's rows see none of the lower half), P's lower half zero."""
         kv_state_v = kv_state.clone()   # V of the previous block
         kv_state.advance()              # K of this block
+        self.overlapped_step(ctx, masked, n_block, kv_state, kv_state_v, tOrP, csr_mask_entry,
+                             narrow_upper)
+        return kv_state
+
+    @cute.jit
+    def overlapped_step(self, ctx, masked, n_block, kv_state, kv_state_v, tOrP, csr_mask_entry=True,
+                        narrow_upper: cutlass.Constexpr = False):
+        """overlapped_block's work with the pipeline states given: K of this block at
+        ``kv_state``, V of the previous one at ``kv_state_v``."""
         ctx.pipe_k.consumer_wait(kv_state)
         self.sched_sync(ctx)
-        acc_S = self.qk(ctx, kv_state)
+        acc_S_hi = None
+        if const_expr(narrow_upper):
+            acc_S = cute.make_rmem_tensor(ctx.thr_mma_qk.partition_shape_C((self.tile_m, self.tile_n)),
+                                          Float32)
+            # the upper half's columns are the second half of the full accumulator's registers
+            # (column blocks of 8 in order), where P's upper half must be for the P V
+            acc_S_hi = cute.make_tensor(acc_S.iterator + cute.cosize(ctx.narrow_acc_layout),
+                                        ctx.narrow_acc_layout)
+            self.gemm(ctx.tiled_mma_qk_narrow, acc_S_hi, ctx.tSrQ,
+                      ctx.tSrK_upper[None, None, None, kv_state.index], True)
+        else:
+            acc_S = self.qk(ctx, kv_state)
         if const_expr(self.rescale_before_pv):
             self.scale_O_rows(ctx, ctx.corr_prev)  # beside the Q K^T in flight
         ctx.pipe_v.consumer_wait(kv_state_v)
@@ -2237,11 +2327,22 @@ class FlashFwdSm90:
         self.sched_arrive(ctx)
         warpgroup.wait_group(1)         # S is ready, P V may still run
         ctx.pipe_k.consumer_release(kv_state)
-        self.apply_softcap(ctx, acc_S)
         acc_S_mn = cute.make_tensor(acc_S.iterator, _acc_mn_layout(acc_S.layout))
-        self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
         corr = cute.make_rmem_tensor_like(ctx.row_max, Float32)
-        moved = self.online_softmax(ctx, acc_S_mn, corr)
+        if const_expr(narrow_upper):
+            self.apply_softcap(ctx, acc_S_hi)
+            acc_S_hi_mn = cute.make_tensor(acc_S_hi.iterator, _acc_mn_layout(ctx.narrow_acc_layout))
+            self.maybe_mask(ctx, acc_S_hi_mn, n_block, True, csr_mask_entry,
+                            col_offset=self.tile_n // 2)
+            moved = self.online_softmax(ctx, acc_S_hi_mn, corr)
+            # P of the lower half's keys, which no row of this warpgroup sees
+            for c in cutlass.range_constexpr(cute.size(acc_S_hi_mn, mode=[1])):
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    acc_S_mn[r, c] = Float32(0.0)
+        else:
+            self.apply_softcap(ctx, acc_S)
+            self.maybe_mask(ctx, acc_S_mn, n_block, masked, csr_mask_entry)
+            moved = self.online_softmax(ctx, acc_S_mn, corr)
         warpgroup.wait_group(0)         # P V done: tOrP and O may be touched again
         ctx.pipe_v.consumer_release(kv_state_v)
         self.convert_P(acc_S, tOrP)
@@ -2249,7 +2350,6 @@ class FlashFwdSm90:
             ctx.corr_prev.store(corr.load())
         else:
             self.rescale_O(ctx, corr, moved)
-        return kv_state
 
     @cute.jit
     def last_half_block(self, ctx, kv_state, tOrP):
