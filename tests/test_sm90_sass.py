@@ -180,6 +180,27 @@ def test_narrow_last_runs_every_masked_block_in_one_loop(tmp_path):
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,spec", [
+    ("key-ranges-causal", _spec(128, True, 16384, num_key_ranges=1)),
+    ("key-ranges-hd64", _spec(64, False, 4096, num_key_ranges=2)),
+    ("window", _spec(128, True, 16384, window=(1024, 0))),
+    ("causal", _spec(128, True, 1024)),
+], ids=lambda x: x if isinstance(x, str) else "")
+def test_key_block_loops_keep_wgmma_descriptors_uniform(name, spec, tmp_path):
+    """No key-block loop moves a wgmma descriptor from a per-thread register (R2UR): the
+    pipeline state they come from stays warp-uniform. It did not in two cases found in the SASS:
+    key ranges, whose loop bound comes from a warp reduction by shuffles (32 R2UR a key block,
+    SASS 3016 -> 2440 instructions once marked uniform; docs section 42), and narrow_last's loop
+    with the state advanced inside its branch (section 42)."""
+    _, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
+    loops = key_block_loops(sass)
+    assert loops
+    for lo, hi in loops:
+        assert not any("R2UR" in ln for ln in sass[lo:hi + 1]), (name, lo, hi)
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
 def test_plain_noncausal_128_row_tiles_take_q_from_registers(tmp_path):
     """FastSm90Forward.q_regs: plain non-causal batched calls in 128-row tiles at D <= 128 copy Q
     into registers once per tile (LDSM) and every Q K^T reads it there (HGMMA with a register A

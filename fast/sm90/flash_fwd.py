@@ -1737,8 +1737,12 @@ class FlashFwdSm90:
                 kr[0], kr[1] * batch + kr[2] * head, kr_row0, m_block * BM, BM, seqlen_q,
                 self.num_key_ranges)
             n_lo = cutlass.max(n_block_min, lo_min // BN)
-            n_hi = cutlass.min(n_block_max, cute.ceil_div(hi_max, BN))
-            n_iters = cutlass.max(n_hi - n_lo, 0)
+            # (the span is a warp reduction by shuffles, which ptxas cannot prove uniform: with the
+            # loop's trip count per thread the pipeline state was too, and every wgmma descriptor
+            # of the loop went through an R2UR, 32 a key block; SASS of hd128 causal with one
+            # range 3016 -> 2440 instructions once marked)
+            n_hi = cute.arch.make_warp_uniform(cutlass.min(n_block_max, cute.ceil_div(hi_max, BN)))
+            n_iters = cute.arch.make_warp_uniform(cutlass.max(n_hi - n_lo, 0))
             visit = (n_hi,)
         return n_iters, visit, inter
 
