@@ -47,8 +47,12 @@ def csr_block_at(it: Int32, mFC: cute.Tensor, mMC: cute.Tensor, f_col0: Int32, m
                  m_cnt: Int32, ratio_n: Int32):
     """(kernel key tile, from a mask entry?) of visit number ``it`` of one query tile's CSR row:
     the ``m_cnt`` mask entries first (from ``mMC[m_col0:]``), then the full ones (``mFC[f_col0:]``);
-    each CSR key block covers ``ratio_n`` key tiles of the kernel."""
-    e = it // ratio_n
+    each CSR key block covers ``ratio_n`` key tiles of the kernel. (The division by the run-time
+    ratio is ~30 instructions a visit, branched around where the ratio is 1: CSR blocks the size
+    of the key tile, the common case.)"""
+    e = it
+    if ratio_n != 1:
+        e = it // ratio_n
     col = Int32(0)
     is_mask = e < m_cnt
     if is_mask:
