@@ -957,6 +957,36 @@ def test_wg_key_block_end_hides_only_blocks_no_row_of_the_warpgroup_sees(d, sq, 
     assert seen_hidden > (20 if g == 1 else 0)
 
 
+def _warpgroup_block_probe(kern, test: str, bound: str, nb: int):
+    """The kernel's per-warpgroup block test ``test`` (first_block_is_narrow /
+    last_block_is_narrow) compiled for the host: (rows, seqlen_k, the window bound named
+    ``bound``, query blocks) -> its answer for every (query block, warpgroup, key block < nb)."""
+    from cutlass.cute.runtime import make_ptr
+    from cutlass.cute.typing import AddressSpace
+    from dualattn.fast.sm90.flash_fwd import _Ctx
+
+    wgs = kern.tile_m // 64
+    method = getattr(kern, test)
+
+    @cute.jit
+    def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win: Int32, num_m: Int32):
+        out = cute.make_tensor(out_ptr, cute.make_layout((num_m, wgs, nb), stride=(wgs * nb, nb, 1)))
+        for m in cutlass.range(num_m, unroll=1):
+            for w in cutlass.range_constexpr(wgs):
+                ctx = _Ctx(m_block=m, wg=w, seqlen_q=rows, seqlen_k=seqlen_k, **{bound: win})
+                for n in cutlass.range(nb, unroll=1):
+                    out[m, w, n] = Int32(method(ctx, n))
+
+    fn = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0)
+
+    def run(rows, seqlen_k, win, num_m):
+        out = torch.full((num_m, wgs, nb), -7, dtype=torch.int32)
+        fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), rows, seqlen_k, win, num_m)
+        assert int(out.min()) >= 0
+        return out
+    return run
+
+
 def test_narrow_last_visit_order_is_the_consumers_and_a_permutation():
     """block_info.masked_last_visit (the TMA warp's order in narrow_last configs) visits every
     key block of the tile once, and in the consumers' order: the first block, the unmasked
@@ -998,9 +1028,6 @@ def test_narrow_last_block_holds_no_key_of_the_warpgroup_in_its_lower_half(d, sq
     a key in the lower half, and where it says no, one does (so the test is exact, not only
     safe), over random shapes and left bounds and every key block."""
     import random
-    from cutlass.cute.runtime import make_ptr
-    from cutlass.cute.typing import AddressSpace
-    from dualattn.fast.sm90.flash_fwd import _Ctx
 
     base = AttentionSpec("batched", 1, sq, sq, hq, hkv, d, d, torch.bfloat16, "cuda",
                          causal=window[1] == 0, window=(window[0], -1 if window[1] == 0 else window[1]),
@@ -1011,17 +1038,7 @@ def test_narrow_last_block_holds_no_key_of_the_warpgroup_in_its_lower_half(d, sq
     g, bm, bn = kern.pack_gqa, kern.tile_m, kern.tile_n
     wgs = bm // 64
     nb = -(-3 * sq // bn) + 8
-
-    @cute.jit
-    def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win_left: Int32, num_m: Int32):
-        out = cute.make_tensor(out_ptr, cute.make_layout((num_m, wgs, nb), stride=(wgs * nb, nb, 1)))
-        for m in cutlass.range(num_m, unroll=1):
-            for w in cutlass.range_constexpr(wgs):
-                ctx = _Ctx(m_block=m, wg=w, seqlen_q=rows, seqlen_k=seqlen_k, win_left=win_left)
-                for n in cutlass.range(nb, unroll=1):
-                    out[m, w, n] = Int32(kern.last_block_is_narrow(ctx, n))
-
-    fn = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0)
+    probe = _warpgroup_block_probe(kern, "last_block_is_narrow", "win_left", nb)
     rng = random.Random(5)
     narrow_seen = 0
     for trial in range(40):
@@ -1030,9 +1047,7 @@ def test_narrow_last_block_holds_no_key_of_the_warpgroup_in_its_lower_half(d, sq
                                                 sq_ + rng.choice([1, 31, 64, 65, 113])])
         wl = window[0] if trial == 0 else rng.randint(0, 2 * bn + 50)
         num_m = -(-(g * sq_) // bm)
-        out = torch.full((num_m, wgs, nb), -7, dtype=torch.int32)
-        fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq_, sk, wl, num_m)
-        assert int(out.min()) >= 0
+        out = probe(g * sq_, sk, wl, num_m)
         offs = sk - sq_
         for m in range(num_m):
             for w in range(wgs):
@@ -1065,9 +1080,6 @@ def test_narrow_first_block_holds_no_key_of_the_warpgroup_in_its_upper_half(d, s
     at D <= 128; D > 128 runs with DUALATTN_SM90_NARROW_FIRST=1.)"""
     import random
     import dualattn.fast.sm90 as sm90
-    from cutlass.cute.runtime import make_ptr
-    from cutlass.cute.typing import AddressSpace
-    from dualattn.fast.sm90.flash_fwd import _Ctx
 
     causal = window == (-1, -1)
     base = AttentionSpec("batched", 1, sq, sq, hq, hkv, d, d, torch.bfloat16, "cuda", causal=causal,
@@ -1079,17 +1091,7 @@ def test_narrow_first_block_holds_no_key_of_the_warpgroup_in_its_upper_half(d, s
     g, bm, bn = kern.pack_gqa, kern.tile_m, kern.tile_n
     wgs = bm // 64
     nb = -(-3 * sq // bn) + 8  # enough key blocks for any drawn seqlen_k
-
-    @cute.jit
-    def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win_right: Int32, num_m: Int32):
-        out = cute.make_tensor(out_ptr, cute.make_layout((num_m, wgs, nb), stride=(wgs * nb, nb, 1)))
-        for m in cutlass.range(num_m, unroll=1):
-            for w in cutlass.range_constexpr(wgs):
-                ctx = _Ctx(m_block=m, wg=w, seqlen_q=rows, seqlen_k=seqlen_k, win_right=win_right)
-                for n in cutlass.range(nb, unroll=1):
-                    out[m, w, n] = Int32(kern.first_block_is_narrow(ctx, n))
-
-    fn = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0)
+    probe = _warpgroup_block_probe(kern, "first_block_is_narrow", "win_right", nb)
     rng = random.Random(11)
     narrow_seen = 0
     for trial in range(40):
@@ -1100,9 +1102,7 @@ def test_narrow_first_block_holds_no_key_of_the_warpgroup_in_its_upper_half(d, s
         spec = replace(base, seqlen_q=sq_, seqlen_k=sk)
         _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
         num_m = -(-(g * sq_) // bm)
-        out = torch.full((num_m, wgs, nb), -7, dtype=torch.int32)
-        fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq_, sk, wr, num_m)
-        assert int(out.min()) >= 0
+        out = probe(g * sq_, sk, wr, num_m)
         offs = sk - sq_
         for m in range(num_m):
             last_q = min((m * bm + bm - 1) // g, sq_ - 1)
