@@ -222,9 +222,9 @@ class FlashFwdSm90:
         # the mirror image at the left window edge: a warpgroup whose rows see none of the lower
         # half of the tile's last key block (a left bound: the second warpgroup's 64 rows of a
         # 128-row tile whose edge crosses that block) computes its upper half only. Configs
-        # with it run the blocks between the first and the last in one loop that decides the
-        # mask per block at run time (consume), so the narrow step costs no extra copy of the
-        # step in the code
+        # with it run the masked blocks after the first in one loop, each iteration a whole
+        # masked or narrow step (blocks_after_first_narrow_last), so the narrow step costs no
+        # extra copy of the step in the code
         assert not narrow_last or (overlap and (tile_n // 2) % 8 == 0 and window_left
                                    and num_key_ranges == 0 and not block_sparse and not wg_key_bound)
         self.narrow_last = narrow_last
@@ -2265,7 +2265,7 @@ class FlashFwdSm90:
         this warpgroup's rows see none of the block's lower half keys, narrow. So the kernel
         holds three copies of the step, as other configs' three loops do. (A run-time mask
         branch inside one step, beside the P V in flight, made ptxas serialize every wgmma:
-        C7514; one loop over all three kinds of step ran 3-13 % slower than three loops.)"""
+        C7514; docs section 42.)"""
         u0, n_unmasked, n_right, l0 = masked_last_groups(n_blocks, n_masked, n_masked_left,
                                                          cutlass.max)
         for i in cutlass.range(n_unmasked, unroll=1):
@@ -2293,22 +2293,21 @@ class FlashFwdSm90:
         return key_lo >= n_block * self.tile_n + self.tile_n // 2
 
     @cute.jit
-    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP, csr_mask_entry=True,
-                         narrow_upper: cutlass.Constexpr = False):
+    def overlapped_block(self, ctx, masked, n_block, kv_state, tOrP, csr_mask_entry=True):
         """S = Q K^T of block ``n_block`` beside the previous block's P V, then its mask and
-        softmax. ``narrow_upper`` (narrow_last): the Q K^T, mask and softmax of the block's upper
-        half keys only (this warpgroup's rows see none of the lower half), P's lower half zero."""
+        softmax (overlapped_step), the pipeline state advanced to this block."""
         kv_state_v = kv_state.clone()   # V of the previous block
         kv_state.advance()              # K of this block
-        self.overlapped_step(ctx, masked, n_block, kv_state, kv_state_v, tOrP, csr_mask_entry,
-                             narrow_upper)
+        self.overlapped_step(ctx, masked, n_block, kv_state, kv_state_v, tOrP, csr_mask_entry)
         return kv_state
 
     @cute.jit
     def overlapped_step(self, ctx, masked, n_block, kv_state, kv_state_v, tOrP, csr_mask_entry=True,
                         narrow_upper: cutlass.Constexpr = False):
         """overlapped_block's work with the pipeline states given: K of this block at
-        ``kv_state``, V of the previous one at ``kv_state_v``."""
+        ``kv_state``, V of the previous one at ``kv_state_v``. ``narrow_upper`` (narrow_last):
+        the Q K^T, mask and softmax of the block's upper half keys only (this warpgroup's rows
+        see none of the lower half), P's lower half zero."""
         ctx.pipe_k.consumer_wait(kv_state)
         self.sched_sync(ctx)
         acc_S_hi = None
