@@ -9,7 +9,7 @@ A and B: ';'-separated NAME=VALUE settings, NAME a module global of dualattn.fas
 (DUALATTN_SM90_TILES=256:64,2); "" is the default. CELL: batch,seqlen,heads,head_dim,causal (0/1),
 query and key lengths equal, or one of the bench's mask cells by name (window, docs, sparse), or a
 causal sliding window as window:batch,seqlen,heads,head_dim,left (e.g. window:2,8192,16,128,1024),
-or with ,right appended a non-causal window of both bounds; heads as 32/8 for GQA.
+or with ,right appended a non-causal window of both bounds; heads as 32/8 for GQA (dense or window).
 Prints each cell's TFLOP/s both ways and time B / time A (above 1: B is slower).
 ci/sm90_grid_ab.py runs one knob over a fixed set of the bench's cells; this runs any two settings
 over any cells."""
@@ -61,8 +61,11 @@ def main(a: str, b: str, cells) -> None:
             cell = B.Cell("fwd", "window", batch, seqlen, seqlen, int(heads_q), int(heads_kv or heads_q),
                           head_dim, not right, (left, right[0] if right else 0))
         else:
-            batch, seqlen, heads, head_dim, causal = (int(x) for x in text.split(","))
-            cell = B.Cell("fwd", "dense", batch, seqlen, seqlen, heads, heads, head_dim, causal=causal == 1)
+            fields = text.split(",")
+            heads_q, _, heads_kv = fields[2].partition("/")  # GQA as 32/8
+            batch, seqlen, head_dim, causal = (int(x) for x in fields[:2] + fields[3:])
+            cell = B.Cell("fwd", "gqa" if heads_kv else "dense", batch, seqlen, seqlen, int(heads_q),
+                          int(heads_kv or heads_q), head_dim, causal=causal == 1)
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
         graphs = {}
