@@ -46,6 +46,12 @@ def clear(*settings: str) -> None:
             os.environ.pop(k, None)
 
 
+def parse_heads(field: str):
+    """(query heads, KV heads) of a CELL's heads field: 16, or 32/8 for GQA."""
+    heads_q, _, heads_kv = field.partition("/")
+    return int(heads_q), int(heads_kv or heads_q)
+
+
 def main(a: str, b: str, cells) -> None:
     warnings.filterwarnings("ignore")
     impl = sm90.FORWARD
@@ -56,16 +62,16 @@ def main(a: str, b: str, cells) -> None:
             cell = MASK_CELLS[text]
         elif text.startswith("window:"):
             fields = text[7:].split(",")
-            heads_q, _, heads_kv = fields[2].partition("/")  # GQA as 32/8
+            heads_q, heads_kv = parse_heads(fields[2])
             batch, seqlen, head_dim, left, *right = (int(x) for x in fields[:2] + fields[3:])
-            cell = B.Cell("fwd", "window", batch, seqlen, seqlen, int(heads_q), int(heads_kv or heads_q),
+            cell = B.Cell("fwd", "window", batch, seqlen, seqlen, heads_q, heads_kv,
                           head_dim, not right, (left, right[0] if right else 0))
         else:
             fields = text.split(",")
-            heads_q, _, heads_kv = fields[2].partition("/")  # GQA as 32/8
+            heads_q, heads_kv = parse_heads(fields[2])
             batch, seqlen, head_dim, causal = (int(x) for x in fields[:2] + fields[3:])
-            cell = B.Cell("fwd", "gqa" if heads_kv else "dense", batch, seqlen, seqlen, int(heads_q),
-                          int(heads_kv or heads_q), head_dim, causal=causal == 1)
+            cell = B.Cell("fwd", "dense" if heads_q == heads_kv else "gqa", batch, seqlen, seqlen,
+                          heads_q, heads_kv, head_dim, causal=causal == 1)
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
         graphs = {}
