@@ -107,7 +107,7 @@ def test_compile_key_is_explicit_and_shape_free():
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, False, True, True, False, 2, False, True, False, False, False, True, False,
-                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False)
+                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False, False)
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -124,6 +124,12 @@ def test_compile_key_is_explicit_and_shape_free():
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-5] == 4 and FORWARD.compile_key(_spec(64), 90)[-5] == 1
+    # a light last 192-row tile split over the three warpgroups (FastSm90Forward.key_split, the
+    # last field): plain non-causal hd64, not causal, not a window, not 128-row tiles
+    assert FORWARD.compile_key(_spec(64), 90)[-1] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-1] is False
+    assert FORWARD.compile_key(_spec(64, window=(100, -1)), 90)[-1] is False
+    assert FORWARD.compile_key(_spec(128), 90)[-1] is False
     # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls with the keys
     assert FORWARD.compile_key(_spec(192, sk=8192), 90)[16] is True
     # the paired causal order is compiled in (persistent causal grids only)

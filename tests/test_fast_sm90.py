@@ -174,6 +174,19 @@ _case("emptywg", 2, 1090, 1090, 2, 2, 256, "bfloat16", True, window=(300, 0))
 _case("emptywg", 2, 8, 700, 32, 8, 128, "bfloat16", False, num_sms=4)  # 32 packed rows of 128
 _case("emptywg-off", 2, 1024, 1024, 4, 4, 64, num_sms=6, pass_empty_wg="0")
 _case("emptywg-off", 2, 1050, 1050, 4, 4, 128, "bfloat16", True, pass_empty_wg="0")
+# a last 192-row tile with at most 64 rows computed by all three warpgroups, each on every third
+# key block, merged in shared memory (FastSm90Forward.key_split): one row on 8 key blocks; 8 rows
+# on 3 blocks (one each, the key tail in the first's); 2 blocks (the third warpgroup has none);
+# fp16 with one key past a block; GQA on a grid of 3 CTAs (split tiles back to back in a CTA);
+# softcap; one CTA per tile; stream-K cuts among the split tiles; and one case with it off
+_case("keysplit", 1, 1, 1000, 4, 4, 64)
+_case("keysplit", 2, 200, 300, 4, 2, 64)
+_case("keysplit", 1, 1025, 129, 4, 4, 64, "float16")
+_case("keysplit", 2, 1000, 4001, 4, 1, 64, num_sms=3)
+_case("keysplit", 1, 250, 777, 6, 3, 64, softcap=10.0)
+_case("keysplit", 2, 4096, 1500, 3, 3, 64, "bfloat16", False, "0")
+_case("keysplit", 1, 4096, 4096, 5, 5, 64, num_sms=9)
+_case("keysplit-off", 2, 200, 300, 4, 2, 64, key_split="0")
 # one O slot that the two warpgroups stage their rows in by turns (FastSm90Forward.shared_o_slot:
 # hd256 at 64-key tiles, (192, 128), hd192 under 4k keys): small grids so every CTA hands the slot on over many
 # tiles (one CTA runs them all), causal pairs, a warpgroup with no row, stream-K pieces that do
@@ -531,6 +544,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._WG_KEY_BOUND_ENV = kw.pop("wg_key_bound", "")
             sm90._SPLIT_TAIL_ENV = kw.pop("split_tail", "")
             sm90._PASS_EMPTY_WG_ENV = kw.pop("pass_empty_wg", "")
+            sm90._KEY_SPLIT_ENV = kw.pop("key_split", "")
             sm90._O_SLOT_ENV = kw.pop("o_slot", "")
             sm90._WINDOW_ORDER_ENV = kw.pop("window_order", "")
             sm90._NARROW_LAST_ENV = kw.pop("narrow_last", "")
@@ -561,6 +575,7 @@ def _run_worker(out_path: str, group: str) -> None:
                 rec["split_tail"] = impl.name == "fast-sm90" and impl.split_tail(call.spec)
                 rec["o_slot"] = impl.name == "fast-sm90" and impl.shared_o_slot(call.spec)
                 rec["narrow_last"] = impl.name == "fast-sm90" and impl.narrow_last(call.spec)
+                rec["key_split"] = impl.name == "fast-sm90" and impl.key_split(call.spec)
                 rec["split_groups"] = (impl.scalar_fields(call.spec, sm90._num_sms(q.device))[-1]
                                        if rec["split_tail"] else 0)
                 outs = []
@@ -583,6 +598,7 @@ def _run_worker(out_path: str, group: str) -> None:
             f.flush()
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
         sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = sm90._PASS_EMPTY_WG_ENV = sm90._O_SLOT_ENV = ""
+        sm90._KEY_SPLIT_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
             if _in_group(case[0], group):
@@ -667,6 +683,8 @@ def test_forward_matches_oracle(results, case):
         assert r["o_slot"] is not name.startswith("oslot-off")
     if name.startswith("oslot-") and not name.startswith("oslot-off") and "stream_k1" in name:
         assert r["sk_tiles"] > 0, "no tile was cut: the pieces' hand-over did not run"
+    if name.startswith("keysplit"):  # the split of light last tiles reached the kernel (or, off, did not)
+        assert r["key_split"] is not name.startswith("keysplit-off")
     if name.startswith("narrowlast-"):  # the left edge's narrow step reached the kernel (or not)
         assert r["narrow_last"] is ("-narrow_last0-" not in name)
     if name.startswith("splittail-"):  # the tail order the case names reached the kernel

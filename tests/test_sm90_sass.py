@@ -9,6 +9,8 @@ ships, disassembled by its cuobjdump. Guards two code-generation regressions fou
 """
 from __future__ import annotations
 
+import collections
+
 import re
 
 import pytest
@@ -322,9 +324,11 @@ def test_o_is_staged_by_stmatrix(name, spec, tmp_path, monkeypatch):
     dv = spec.head_dim_v
     assert stsm_off == 0 and stsm_on >= dv // 16, (stsm_on, stsm_off)
     assert sts_off - sts_on >= dv // 4 - 4, (sts_on, sts_off)
-    # (the same instructions; ptxas may pick IMAD or MOV for a register move)
+    # (the same instructions; ptxas may pick IMAD or MOV for a register move, and may order the
+    # loop's uniform bookkeeping differently: hd64's key_split loop, docs section 46)
     assert len(loop_on) == len(loop_off)
-    assert [o for o in loop_on if o not in ("IMAD", "MOV")] == [o for o in loop_off if o not in ("IMAD", "MOV")]
+    same = collections.Counter(o for o in loop_on if o not in ("IMAD", "MOV"))
+    assert same == collections.Counter(o for o in loop_off if o not in ("IMAD", "MOV"))
 
 
 # (id, spec): hd64's 2-warpgroup causal tile and its 3-warpgroup tiles (stream-K's merge keeps

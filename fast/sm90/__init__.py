@@ -61,6 +61,7 @@ _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forw
 _TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
 _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs
 _PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .pass_empty_wg
+_KEY_SPLIT_ENV = os.environ.get("DUALATTN_SM90_KEY_SPLIT", "")  # see FastSm90Forward.key_split
 _O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.shared_o_slot
 _STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # see .staging_per_tile
 _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .narrow_first
@@ -587,7 +588,7 @@ class FastSm90Forward:
                 self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.warp_store_o(spec), self.l2_hints(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch), self.window_order(spec),
-                self.narrow_last(spec))
+                self.narrow_last(spec), self.key_split(spec))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -786,6 +787,18 @@ class FastSm90Forward:
         """The turned order of pass_empty_wg's non-causal tiles (off with =pass: the pass alone
         gave hd64 1k nothing, since the CTAs that ran the light tiles idled)."""
         return cls.pass_empty_wg(spec) and _PASS_EMPTY_WG_ENV != "pass"
+
+    @classmethod
+    def key_split(cls, spec) -> bool:
+        """A last query tile whose rows all lie in the first warpgroup's 64 is computed by all
+        three warpgroups, each on every third key block, merged in shared memory
+        (FlashFwdSm90.key_split), instead of by the first alone while the others pass: hd64's
+        192-row tiles at 1k and 4k queries (1024 = 5 x 192 + 64). Non-causal batched calls on
+        192-row tiles without a window (the only masked block is then the first visit's key
+        tail). DUALATTN_SM90_KEY_SPLIT=0 turns it off (comparisons)."""
+        return (_KEY_SPLIT_ENV != "0" and cls.config(spec)[0] == 192 and cls.pass_empty_wg(spec)
+                and cls.wg_epilogue(spec) and spec.mode == "batched" and not spec.causal
+                and spec.window == (-1, -1) and cls.pack_gqa(spec) == 1 and not cls.q_regs(spec))
 
     @staticmethod
     def tile_info(spec) -> bool:
@@ -991,7 +1004,7 @@ class FastSm90Forward:
                             stmatrix_o=self.stmatrix_o(spec),
                             warp_store_o=self.warp_store_o(spec),
                             l2_hints=self.l2_hints(spec), window_order=self.window_order(spec),
-                            narrow_last=self.narrow_last(spec))
+                            narrow_last=self.narrow_last(spec), key_split=self.key_split(spec))
 
     @staticmethod
     def arg_schema(spec):

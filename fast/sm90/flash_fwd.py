@@ -80,6 +80,8 @@ _BAR_EPILOGUE = 1     # the consumer threads, around the O staging in shared mem
 _BAR_WG_SCHED = 2     # 2, 3 (, 4): round-robin order of the consumer warpgroups' GEMM issue
 _BAR_EPILOGUE_WG = 5  # 5, 6 (, 7): one warpgroup's threads around its own O rows (wg_epilogue)
 _BAR_O_SLOT = 8       # 8, 9: the shared O slot handed from one warpgroup to the other (shared_o_slot)
+_BAR_SPLIT = 10       # 10, 11: key_split, warpgroup w + 1's record ready for warpgroup w
+_BAR_SPLIT_FREE = 12  # key_split: warpgroup 0 has read the record (the last warpgroup may write anew)
 # L2 cache policies of a TMA copy (createpolicy's fractional encoding at fraction 1.0; the values
 # of CUTLASS's CacheHintSm90)
 L2_EVICT_FIRST = 0x12F0000000000000
@@ -151,6 +153,56 @@ TRACE_SLOTS = dict(smid=0, start=1, gtime=2, n_blocks=3, q_ready=4, first_block=
                    p_start=8, p_q_issued=9, p_kv_issued=10)
 
 
+def write_state(put, acc_O, row_max, row_sum) -> None:
+    """(Traced inline: plain Python loops unroll.) A thread's online-softmax state as values 0.. (``put(i, x)``): its rows' maxima, then their
+    partial sums, then its O accumulator (stream_k_merge's workspace, key_split_merge's record)."""
+    num_rows = cute.size(row_max)
+    for r in range(num_rows):
+        put(r, row_max[r])
+        put(num_rows + r, row_sum[r])
+    for i in range(cute.size(acc_O)):
+        put(2 * num_rows + i, acc_O[i])
+
+
+def merge_twin_state(twin, acc_O_mn, row_max, row_sum, scale_log2) -> None:
+    """Merge the state another thread wrote for the same rows and columns (value i is ``twin(i)``,
+    laid out as write_state does) into this thread's: the larger max, each state scaled to it,
+    products rounded apart and then added, so the result is bitwise the same whichever of the
+    two is this thread's."""
+    num_rows = cute.size(row_max)
+    for r in range(num_rows):
+        m, c_own, c_twin = merge_scales(row_max[r], twin(r), scale_log2)
+        row_max[r] = m
+        row_sum[r] = mul_rn(row_sum[r], c_own) + mul_rn(twin(num_rows + r), c_twin)
+        for c in range(cute.size(acc_O_mn, mode=[1])):
+            o_twin = twin(2 * num_rows + cute.crd2idx((r, c), acc_O_mn.layout))
+            acc_O_mn[r, c] = mul_rn(acc_O_mn[r, c], c_own) + mul_rn(o_twin, c_twin)
+
+
+def _advanced(state):
+    """``state`` advanced by one stage (as a value, so a dynamic loop carries it)."""
+    state.advance()
+    return state
+
+
+class _ReleaseForAll:
+    """A TMA pipeline whose consumer release arrives for every consumer warpgroup at once (count
+    ``count`` per warp): a split tile's stage is read by one warpgroup only, and the others skip
+    it without touching its barriers (key_split_blocks)."""
+
+    def __init__(self, pipe, count: int):
+        self.pipe, self.count = pipe, count
+
+    def consumer_wait(self, state):
+        self.pipe.consumer_wait(state)
+
+    @cute.jit
+    def consumer_release(self, state):
+        if self.pipe.is_signaling_thread:
+            cute.arch.mbarrier_arrive(self.pipe.sync_object_empty.get_barrier(state.index),
+                                      self.pipe.consumer_mask, arrive_count=self.count)
+
+
 class _Ctx:
     """The per-tile state the main-loop helpers share (a plain trace-time namespace)."""
 
@@ -190,6 +242,11 @@ class FlashFwdSm90:
         evenly, rounded down to the allocation step of 8."""
         return 65536 // num_threads // 8 * 8
 
+    def key_split_values(self) -> int:
+        """fp32 values per thread in key_split's shared record (0 without it): the row maxima
+        and partial row sums of the thread's 2 rows, then its O accumulator (64 x Dv / 128)."""
+        return 2 * 2 + 64 * self.head_dim_v // 128 if self.key_split else 0
+
     def __init__(self, dtype, head_dim: int, head_dim_v: int, causal: bool, tile_n: int,
                  num_stages: int, pingpong: bool = True, overlap: bool = True,
                  persistent: bool = True, separate_o: bool = False, window_left: bool = False,
@@ -204,7 +261,7 @@ class FlashFwdSm90:
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
                  stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False,
-                 window_order: bool = False, narrow_last: bool = False):
+                 window_order: bool = False, narrow_last: bool = False, key_split: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -381,6 +438,17 @@ class FlashFwdSm90:
         assert not pass_empty_wg or (overlap and not self.dynamic_mask)
         self.pass_empty_wg = pass_empty_wg
         self.rotate_m_blocks = pass_empty_wg and rotate_m_blocks
+        # a query tile whose rows all lie in the first warpgroup's 64 (a sequence's last tile
+        # when its length leaves at most 64 rows there: hd64's 192-row tiles at 1k and 4k
+        # queries) is computed by every consumer warpgroup on those same rows, warpgroup w on
+        # visits w, w + W, ... of the key blocks (the producer loads the rows into every
+        # warpgroup's slice of Q), the partial states merged in shared memory (key_split_merge)
+        # and stored by the first. Otherwise two of three warpgroups pass the tile's blocks
+        # while the first computes alone: such a tile cost 0.57-0.72 of a full one, split 0.48-0.51
+        # (H200, hd64, 1024 / 4096 keys, queries 960 / 1024 / 1152: docs section 46)
+        assert not key_split or (pass_empty_wg and wg_epilogue and not (causal or window_left or window_right)
+                                 and not varlen and pack_gqa == 1 and not q_regs and overlap)
+        self.key_split = key_split
         # where the turned order can apply: the non-causal batched order of the persistent grid
         self.turned_order = self.rotate_m_blocks and persistent and not (self.mask_right or varlen)
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
@@ -393,6 +461,7 @@ class FlashFwdSm90:
                 if separate_o else 0,
                 "K": num_stages * tile_n * head_dim * dtype.width // 8,
                 "V": num_stages * tile_n * head_dim_v * dtype.width // 8,
+                "key_split": self.key_split_values() * 128 * 4,
             },
             num_mbarriers=2 * (q_stages + 2 * num_stages) + (2 * self.info_stages if tile_info else 0),
             arch=self.arch,
@@ -437,7 +506,9 @@ class FlashFwdSm90:
             Float32, atom_layout_mnk=(BM // 64, 1, 1), tiler_mn=(64, Dv),
             a_source=warpgroup.OperandSource.RMEM)
 
-        sQ_layout = self._smem_layout((BM, D), self.q_stages if const_expr(self.q_stages > 1) else None)
+        # key_split: Q in 64-row bands, each one TMA box (a warpgroup's rows, or another's copy)
+        sQ_layout = self._smem_layout((BM, D), self.q_stages if const_expr(self.q_stages > 1) else None,
+                                      band_rows=64 if const_expr(self.key_split) else 0)
         sK_layout = self._smem_layout((BN, D), self.num_stages)
         sV_layout = self._smem_layout((BN, Dv), self.num_stages)
         # wg_epilogue: O as (64, Dv, slot), each warpgroup's rows one TMA box of their own (in
@@ -448,7 +519,11 @@ class FlashFwdSm90:
 
         tma_load = cpasync.CopyBulkTensorTileG2SOp()
         sQ_one = cute.select(sQ_layout, mode=[0, 1]) if const_expr(self.q_stages > 1) else sQ_layout
-        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_one, (BM, D))
+        if const_expr(self.key_split):
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+                tma_load, mQ, self._smem_layout((64, D), None), (64, D))
+        else:
+            tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(tma_load, mQ, sQ_one, (BM, D))
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             tma_load, mK, cute.select(sK_layout, mode=[0, 1]), (BN, D), 1)
         tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(
@@ -488,6 +563,7 @@ class FlashFwdSm90:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sk_flag: cute.struct.MemRange[Int32, 4 if self.stream_k else 0]  # stream_k_merge
+            s_split: cute.struct.Align[cute.struct.MemRange[Float32, self.key_split_values() * 128], 16]
             mbar_info: cute.struct.MemRange[cutlass.Int64, 2 * self.info_stages if self.tile_info else 0]
             tile_info: cute.struct.MemRange[Int32, self.info_stages * self.info_fields
                                             if self.tile_info else 0]
@@ -694,6 +770,9 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sk_flag = storage.sk_flag.get_tensor(cute.make_layout(4)) if const_expr(self.stream_k) else None
+        s_split = None
+        if const_expr(self.key_split):
+            s_split = storage.s_split.get_tensor(cute.make_layout(self.key_split_values() * 128))
         # V^T view (Dv, BN, stages) for the B operand of O += P V
         sVt = cute.composition(
             sV, cute.make_ordered_layout((Dv, BN, self.num_stages), order=(1, 0, 2)))
@@ -714,7 +793,7 @@ class FlashFwdSm90:
             self.consume(tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                          tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx - 128, win_left,
                          win_right, softcap_scale, softcap_val, vl, kr, bs, sk, sk_flag,
-                         pipe_info, s_info)
+                         pipe_info, s_info, s_split)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -1142,8 +1221,10 @@ class FlashFwdSm90:
         else:
             gK = cute.local_tile(mK[None, None, head_kv, batch_idx], (BN, D), (None, 0))
             gV = cute.local_tile(mV[None, None, head_kv, batch_idx], (BN, Dv), (None, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
-                                           cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        tQsQ, tQgQ = None, None
+        if const_expr(not self.key_split):
+            tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1),
+                                               cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
         tKsK, tKgK = cpasync.tma_partition(tma_atom_K, 0, cute.make_layout(1),
                                            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2))
         tVsV, tVgV = cpasync.tma_partition(tma_atom_V, 0, cute.make_layout(1),
@@ -1153,10 +1234,13 @@ class FlashFwdSm90:
         # Q's buffer is free once the previous tile's O store has read it (see consume)
         pipe_q.producer_acquire(q_state)
         self.trace_phase(trace_at, TRACE_SLOTS["p_q_issued"])
-        if const_expr(self.q_stages > 1):
-            tQsQ = tQsQ[None, q_state.index]
-        cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
-                  **self.l2_policy(L2_EVICT_FIRST))
+        if const_expr(self.key_split):
+            self.load_q_bands(tma_atom_Q, mQ, sQ, pipe_q, q_state, m_block, head_idx, batch_idx, seqlen_q)
+        else:
+            if const_expr(self.q_stages > 1):
+                tQsQ = tQsQ[None, q_state.index]
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
+                      **self.l2_policy(L2_EVICT_FIRST))
         q_state.advance()
         n_iters = cutlass.max(n_block_max - n_block_min, 0)
         visit = (n_block_max,)
@@ -1168,6 +1252,30 @@ class FlashFwdSm90:
             # the consumers' order (blocks_after_first_narrow_last)
             n_masked, n_masked_left = self.masked_block_counts(
                 m_block, n_block_min, n_block_max, seqlen_q, seqlen_k, win_left, win_right)
+        k_ahead = Boolean(False)
+        if const_expr(self.key_split):
+            k_ahead = seqlen_q - m_block * self.tile_m <= 64
+        if k_ahead:
+            # a split tile: each warpgroup holds one stage of the ring at a time, so K runs a
+            # whole ring ahead of V (a block's V is needed a step after its K)
+            S = self.num_stages
+            k_state = kv_state.clone()
+            for i in cutlass.range(cutlass.min(S, n_iters), unroll=1):
+                pipe_k.producer_acquire(k_state)
+                cute.copy(tma_atom_K, tKgK[None, n_block_max - 1 - i], tKsK[None, k_state.index],
+                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state), **self.l2_policy(L2_EVICT_LAST))
+                k_state.advance()
+            for i in cutlass.range(n_iters, unroll=1):
+                pipe_v.producer_acquire(kv_state)
+                cute.copy(tma_atom_V, tVgV[None, n_block_max - 1 - i], tVsV[None, kv_state.index],
+                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state), **self.l2_policy(L2_EVICT_LAST))
+                kv_state.advance()
+                if i + S < n_iters:
+                    pipe_k.producer_acquire(k_state)
+                    cute.copy(tma_atom_K, tKgK[None, n_block_max - 1 - i - S], tKsK[None, k_state.index],
+                              tma_bar_ptr=pipe_k.producer_get_barrier(k_state), **self.l2_policy(L2_EVICT_LAST))
+                    k_state.advance()
+            n_iters = Int32(0)
         for i in cutlass.range(n_iters, unroll=1):
             n_block = n_block_max - 1 - i
             if const_expr(self.narrow_last):
@@ -1184,6 +1292,23 @@ class FlashFwdSm90:
             kv_state.advance()
         self.trace_phase(trace_at, TRACE_SLOTS["p_kv_issued"])
         return q_state, kv_state
+
+    @cute.jit
+    def load_q_bands(self, tma_atom_Q, mQ, sQ, pipe_q, q_state, m_block, head_idx, batch_idx, seqlen_q):
+        """key_split: a tile's Q as one 64-row TMA box per warpgroup band, each band its own
+        rows, or in a tile whose rows all lie in the first band (key_split_tile) the first
+        band's rows in every band (one transaction count either way: the tile's bytes)."""
+        W, D = self.num_mma_wg, self.head_dim
+        sQ_stage = sQ[None, None, q_state.index] if const_expr(self.q_stages > 1) else sQ
+        first_only = seqlen_q - m_block * self.tile_m <= 64
+        for w in cutlass.range_constexpr(W):
+            band = m_block * W + cutlass.select_(first_only, 0, w)
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, cute.make_layout(1),
+                cute.group_modes(cute.local_tile(sQ_stage, (64, D), (w, 0)), 0, 2),
+                cute.group_modes(cute.local_tile(mQ[None, None, head_idx, batch_idx], (64, D), (band, 0)), 0, 2))
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state),
+                      **self.l2_policy(L2_EVICT_FIRST))
 
     @cute.jit
     def tile_walk(self, mQ, vl, sk):
@@ -1265,7 +1390,7 @@ class FlashFwdSm90:
     def consume(self, tma_atom_O, mO, mLSE, mQ, mK, sQ, sK, sVt, sO, pipe_q, pipe_k, pipe_v,
                 tiled_mma_qk, tiled_mma_pv, softmax_scale_log2, tidx, win_left, win_right,
                 softcap_scale, softcap_val, vl=None, kr=None, bs=None, sk=None, sk_flag=None,
-                pipe_info=None, s_info=None):
+                pipe_info=None, s_info=None, s_split=None):
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         wg = cute.arch.make_warp_uniform(tidx // 128)
         wg_slice_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -1456,6 +1581,12 @@ class FlashFwdSm90:
                 else:
                     # intra-warpgroup overlap: S_{j+1} = Q K_{j+1}^T and O += P_j V_j are in flight
                     # together while the softmax of S_{j+1} runs on the CUDA cores
+                    if const_expr(self.key_split):
+                        split = self.key_split_tile(m_block, seqlen_q, n_blocks, cut)
+                        if split:
+                            kv_state = self.key_split_blocks(ctx, kv_state, tOrP, n_block_max, n_blocks,
+                                                             n_masked)
+                            n_blocks = Int32(0)  # nothing left for the path below
                     if const_expr(self.pass_empty_wg):
                         if m_block * BM + 64 * wg >= seqlen_q:  # no row of it is stored
                             # the ring's n_blocks - 1 turns: one per passed block past the first
@@ -1495,9 +1626,12 @@ class FlashFwdSm90:
                             kv_state = self.blocks_after_first_narrow_last(
                                 ctx, kv_state, tOrP, n_block_max, n_blocks, n_masked, n_masked_left)
                         else:
-                            for i in cutlass.range(n_right, unroll=1):
-                                kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i, kv_state,
-                                                                 tOrP)
+                            if const_expr(self.mask_right):
+                                # (without a right bound only the key tail's block is masked at
+                                # the top, and the first visit takes it: no copy of the step here)
+                                for i in cutlass.range(n_right, unroll=1):
+                                    kv_state = self.overlapped_block(ctx, True, n_block_max - 2 - i,
+                                                                     kv_state, tOrP)
                             for i in cutlass.range(n_unmasked, unroll=1):
                                 kv_state = self.overlapped_block(
                                     ctx, False, n_block_max - 2 - n_right - i, kv_state, tOrP)
@@ -1519,9 +1653,14 @@ class FlashFwdSm90:
                     # warpgroup 1's of the previous tile (none before its first)
                     if wg == 1 or o_turns > 0:
                         cute.arch.barrier(barrier_id=_BAR_O_SLOT + wg, number_of_threads=256)
+                stores = Boolean(True)
+                if const_expr(self.key_split):
+                    if split:  # only the first warpgroup stores: the others' rows are its rows
+                        stores = self.key_split_merge(s_split, acc_O, acc_O_mn, row_max, row_sum,
+                                                      softmax_scale_log2, tidx, wg)
                 if const_expr(self.stream_k):
                     # a cut tile's piece: the one finishing second merges both and stores the tile
-                    finish = Boolean(True)
+                    finish = stores
                     if cut:
                         finish = self.stream_k_merge(sk, sk_slot, acc_O, acc_O_mn, row_max, row_sum,
                                                      softmax_scale_log2, tidx, wg, epi_bar, epi_threads,
@@ -1532,6 +1671,12 @@ class FlashFwdSm90:
                                       head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
                                       epi_threads, vl)
                         self.trace_phase(trace_at, TRACE_SLOTS["end"])
+                elif const_expr(self.key_split):
+                    if stores:
+                        self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
+                                      tScS_mn, tiled_copy_O, sO_mn, softmax_scale_log2, m_block,
+                                      head_idx, batch_idx, seqlen_q, offset_q, tidx, wg, epi_bar,
+                                      epi_threads, vl)
                 else:
                     self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
                                   tScS_mn, tiled_copy_O, sO_mn, softmax_scale_log2, m_block,
@@ -1600,11 +1745,7 @@ class FlashFwdSm90:
         cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
         second = sk_flag[group] != 0
         if not second:
-            for r in cutlass.range_constexpr(num_rows):
-                ws[base + r * epi_threads] = row_max[r]
-                ws[base + (num_rows + r) * epi_threads] = row_sum[r]
-            for i in cutlass.range_constexpr(cute.size(acc_O)):
-                ws[base + (2 * num_rows + i) * epi_threads] = acc_O[i]
+            write_state(lambda i, x: ws.__setitem__(base + i * epi_threads, x), acc_O, row_max, row_sum)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
             if gt == 0:
@@ -1617,18 +1758,84 @@ class FlashFwdSm90:
                 cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
             cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
             cute.arch.fence_acq_rel_gpu()
-            num_cols = cute.size(acc_O_mn, mode=[1])
-            for r in cutlass.range_constexpr(num_rows):
-                m_twin = ws[base + r * epi_threads]
-                l_twin = ws[base + (num_rows + r) * epi_threads]
-                m, c_own, c_twin = merge_scales(row_max[r], m_twin, scale_log2)
-                row_max[r] = m
-                # products rounded apart, then one add: the same bits whichever piece is here
-                row_sum[r] = mul_rn(row_sum[r], c_own) + mul_rn(l_twin, c_twin)
-                for c in cutlass.range_constexpr(num_cols):
-                    o_twin = ws[base + (2 * num_rows + cute.crd2idx((r, c), acc_O_mn.layout)) * epi_threads]
-                    acc_O_mn[r, c] = mul_rn(acc_O_mn[r, c], c_own) + mul_rn(o_twin, c_twin)
+            merge_twin_state(lambda i: ws[base + i * epi_threads], acc_O_mn, row_max, row_sum, scale_log2)
         return second
+
+    @cute.jit
+    def key_split_tile(self, m_block, seqlen_q, n_blocks, cut):
+        """Whether this tile runs split over the warpgroups (key_split): its rows all lie in the
+        first warpgroup's 64, it has at least two key blocks, and it is not a stream-K piece."""
+        split = seqlen_q - m_block * self.tile_m <= 64 and n_blocks >= 2
+        if const_expr(self.stream_k):
+            split = split and not cut
+        return split
+
+    @cute.jit
+    def key_split_blocks(self, ctx, kv_state, tOrP, n_block_max, n_blocks, n_masked):
+        """key_split: this warpgroup's share of a split tile's key blocks, visits w, w + W, ...
+        (visit i is block n_block_max - 1 - i; non-causal, no window: only the first visit can
+        need the element mask) with the intra-warpgroup overlap; the others' stages are passed
+        (every warpgroup consumes every stage of the ring, in order). The ring of named barriers
+        orders the GEMM issue as ever: each warpgroup takes as many turns as the first (the one
+        with the most visits), the missing ones after its last block. Each stage is read and
+        released (for every warpgroup: _ReleaseForAll) by its own warpgroup; the others step
+        their pipeline state past it without waiting (passing it as pass_block does, waiting
+        for its K and V, chained the warpgroups into a convoy: the split tile cost 0.65-0.84 of
+        a full one). Its own copy of the overlapped step: one loop for plain and split tiles
+        (stride at run time) ran plain tiles 1-4 % slower, and the split tiles without the
+        overlap (one_block) gained nothing (docs section 46)."""
+        first, stride = ctx.wg, self.num_mma_wg
+        n_mine = cutlass.max(n_blocks - first + stride - 1, 0) // stride
+        # each stage is read and released by its warpgroup alone (for all of them): the others
+        # only step their pipeline state past it, waiting for nothing
+        pipe_k, pipe_v = ctx.pipe_k, ctx.pipe_v
+        ctx.pipe_k, ctx.pipe_v = _ReleaseForAll(pipe_k, stride), _ReleaseForAll(pipe_v, stride)
+        for i in cutlass.range(cutlass.min(first, n_blocks), unroll=1):
+            kv_state = _advanced(kv_state)
+        if n_mine > 0:
+            self.first_half_block(ctx, n_block_max - 1 - first, kv_state, tOrP, first < n_masked)
+            kv_state_v = kv_state.clone()  # V of the block whose P V is next
+            kv_state = _advanced(kv_state)
+            for t in cutlass.range(n_mine - 1, unroll=1):
+                for _ in cutlass.range_constexpr(stride - 1):
+                    kv_state = _advanced(kv_state)
+                self.overlapped_step(ctx, False, n_block_max - 1 - first - stride * (t + 1), kv_state,
+                                     kv_state_v, tOrP)
+                kv_state_v = kv_state.clone()
+                kv_state = _advanced(kv_state)
+            self.last_half_block(ctx, kv_state_v, tOrP)
+        used = cutlass.min(first, n_blocks) + cutlass.max(stride * n_mine - stride + 1, 0)
+        for i in cutlass.range(n_blocks - used, unroll=1):
+            kv_state = _advanced(kv_state)
+        ctx.pipe_k, ctx.pipe_v = pipe_k, pipe_v
+        if const_expr(self.pingpong):
+            for i in cutlass.range((n_blocks + stride - 1) // stride - cutlass.max(n_mine, 1), unroll=1):
+                self.sched_sync(ctx)
+                self.sched_arrive(ctx)
+        return kv_state
+
+    @cute.jit
+    def key_split_merge(self, s_split, acc_O, acc_O_mn, row_max, row_sum, scale_log2, tidx, wg):
+        """key_split: the warpgroups' states of the tile's rows merged into the first one's, down a
+        chain through one shared record (value-major: value i of thread t at i * 128 + t). The
+        last warpgroup writes its state; each one before it waits for the record, merges it into
+        its own (merge_twin_state: the same bits in every run) and, but the first, writes the
+        result back over it, thread by thread in its own slots. The last waits until the first
+        has read the record, so the next split tile cannot overwrite it early. True for the
+        first warpgroup, which stores the tile."""
+        W = self.num_mma_wg
+        t = tidx % 128
+        if wg < W - 1:
+            cute.arch.barrier(barrier_id=_BAR_SPLIT + wg, number_of_threads=256)
+            merge_twin_state(lambda i: s_split[i * 128 + t], acc_O_mn, row_max, row_sum, scale_log2)
+        if wg > 0:
+            write_state(lambda i, x: s_split.__setitem__(i * 128 + t, x), acc_O, row_max, row_sum)
+            cute.arch.barrier_arrive(barrier_id=_BAR_SPLIT + wg - 1, number_of_threads=256)
+        if wg == W - 1:
+            cute.arch.barrier(barrier_id=_BAR_SPLIT_FREE, number_of_threads=256)
+        if wg == 0:
+            cute.arch.barrier_arrive(barrier_id=_BAR_SPLIT_FREE, number_of_threads=256)
+        return wg == 0
 
     @cute.jit
     def epilogue(self, tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse, tScS_mn,
