@@ -123,7 +123,7 @@ def test_compile_key_is_explicit_and_shape_free():
     # TMA copies, FastSm90Forward.l2_hints, index 29)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
-    assert FORWARD.compile_key(_spec(128), 90)[-5] == 4 and FORWARD.compile_key(_spec(64), 90)[-5] == 1
+    assert FORWARD.compile_key(_spec(128), 90)[-6] == 4 and FORWARD.compile_key(_spec(64), 90)[-6] == 1
     # a light last 192-row tile split over the three warpgroups (FastSm90Forward.key_split, the
     # last field): plain non-causal hd64, not causal, not a window, not 128-row tiles
     assert FORWARD.compile_key(_spec(64), 90)[-1] is True
@@ -133,25 +133,25 @@ def test_compile_key_is_explicit_and_shape_free():
     # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls with the keys
     assert FORWARD.compile_key(_spec(192, sk=8192), 90)[16] is True
     # the paired causal order is compiled in (persistent causal grids only)
-    assert FORWARD.compile_key(_spec(64, True), 90)[-10] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-11] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
-    assert FORWARD.compile_key(_spec(128), 90)[-8] == 0.0
+    assert FORWARD.compile_key(_spec(128), 90)[-9] == 0.0
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
     # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
     assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)
     assert FORWARD.compile_key(_spec(softcap=5.0), 90) == FORWARD.compile_key(_spec(softcap=30.0), 90)
     assert FORWARD.compile_key(_spec(window=(5, -1)), 90) != FORWARD.compile_key(_spec(window=(-1, 5)), 90)
     # windows with a left bound on the persistent grid run the window order instead of the pairs
-    # from 4096 query rows (FastSm90Forward.window_order, the second last field); with a left
+    # from 4096 query rows (FastSm90Forward.window_order, the third last field); with a left
     # bound at D <= 128 the last key block may run on its upper half (FastSm90Forward.narrow_last,
-    # the last field)
+    # the second last field)
     win = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4096, sk=4096), 90)
-    assert win[-2] is True and win[-10] is False
+    assert win[-3] is True and win[-11] is False
     short = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4095, sk=4096), 90)
-    assert short[-2] is False and short[-10] is True
-    assert win[-1] is True and short[-1] is True
-    assert FORWARD.compile_key(_spec(window=(-1, 5)), 90)[-1] is False  # no left bound
-    assert FORWARD.compile_key(_spec(256, window=(64, 0)), 90)[-1] is False  # D > 128
+    assert short[-3] is False and short[-11] is True
+    assert win[-2] is True and short[-2] is True
+    assert FORWARD.compile_key(_spec(window=(-1, 5)), 90)[-2] is False  # no left bound
+    assert FORWARD.compile_key(_spec(256, window=(64, 0)), 90)[-2] is False  # D > 128
 
 
 MASK_CONFIGS = [dict(window=(64, 0)), dict(window=(-1, 32)), dict(window=(33, 7), causal=True),
@@ -394,7 +394,7 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
     # causal varlen tiles run heaviest first within L2 sections of (sequence, head) pairs (GQA and
     # short sequences: not in pairs, see test_varlen_paired_order_compiles)
-    assert FORWARD.compile_key(spec, 90)[-9] is causal and not FastSm90Forward.paired(spec)
+    assert FORWARD.compile_key(spec, 90)[-10] is causal and not FastSm90Forward.paired(spec)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
@@ -421,7 +421,7 @@ def test_varlen_paired_order_compiles(d):
     long_seq = PAIRED_VARLEN_MIN_SEQLEN[d]
     spec = AttentionSpec("varlen", 10, long_seq, long_seq, 8, 8, d, d, torch.bfloat16, "cuda", causal=True,
                          return_lse=True)
-    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-10] is True
+    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-11] is True
     for other in (replace(spec, num_heads_kv=2), replace(spec, seqlen_q=long_seq - 1),
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
@@ -794,7 +794,7 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     shared-memory budget (checked at trace time) still met at hd128 (224 KB + barriers)."""
     hd128 = _spec(128, False, sq=8192, sk=8192)
     assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
-    assert FORWARD.compile_key(hd128, 90)[-11] == 2
+    assert FORWARD.compile_key(hd128, 90)[-12] == 2
     assert FastSm90Forward.q_stages(_spec(128, True, sq=32768, sk=32768)) == 1  # one CTA per tile
     assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
     kern = FORWARD.make_kernel(hd128)
@@ -818,7 +818,7 @@ def test_o_rescale_placement_rule():
     assert not before(_spec(256, False, sq=8192, sk=8192)) and thr(_spec(256, False, sq=8192, sk=8192)) == 8.0
     kern = FORWARD.make_kernel(_spec(128, False, sq=8192, sk=8192))
     assert kern.rescale_before_pv and kern.rescale_threshold == 0.0
-    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-7] is True
+    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-8] is True
 
 
 @pytest.mark.compile_only

@@ -1252,30 +1252,28 @@ class FlashFwdSm90:
             # the consumers' order (blocks_after_first_narrow_last)
             n_masked, n_masked_left = self.masked_block_counts(
                 m_block, n_block_min, n_block_max, seqlen_q, seqlen_k, win_left, win_right)
-        k_ahead = Boolean(False)
         if const_expr(self.key_split):
-            k_ahead = seqlen_q - m_block * self.tile_m <= 64
-        if k_ahead:
-            # a split tile: each warpgroup holds one stage of the ring at a time, so K runs a
-            # whole ring ahead of V (a block's V is needed a step after its K)
-            S = self.num_stages
-            k_state = kv_state.clone()
-            for i in cutlass.range(cutlass.min(S, n_iters), unroll=1):
-                pipe_k.producer_acquire(k_state)
-                cute.copy(tma_atom_K, tKgK[None, n_block_max - 1 - i], tKsK[None, k_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(k_state), **self.l2_policy(L2_EVICT_LAST))
-                k_state.advance()
-            for i in cutlass.range(n_iters, unroll=1):
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_atom_V, tVgV[None, n_block_max - 1 - i], tVsV[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state), **self.l2_policy(L2_EVICT_LAST))
-                kv_state.advance()
-                if i + S < n_iters:
+            if seqlen_q - m_block * self.tile_m <= 64:
+                # a split tile: each warpgroup holds one stage of the ring at a time, so K runs
+                # a whole ring ahead of V (a block's V is read a step after its K)
+                S = self.num_stages
+                k_state = kv_state.clone()
+                for i in cutlass.range(cutlass.min(S, n_iters), unroll=1):
                     pipe_k.producer_acquire(k_state)
-                    cute.copy(tma_atom_K, tKgK[None, n_block_max - 1 - i - S], tKsK[None, k_state.index],
+                    cute.copy(tma_atom_K, tKgK[None, n_block_max - 1 - i], tKsK[None, k_state.index],
                               tma_bar_ptr=pipe_k.producer_get_barrier(k_state), **self.l2_policy(L2_EVICT_LAST))
                     k_state.advance()
-            n_iters = Int32(0)
+                for i in cutlass.range(n_iters, unroll=1):
+                    pipe_v.producer_acquire(kv_state)
+                    cute.copy(tma_atom_V, tVgV[None, n_block_max - 1 - i], tVsV[None, kv_state.index],
+                              tma_bar_ptr=pipe_v.producer_get_barrier(kv_state), **self.l2_policy(L2_EVICT_LAST))
+                    kv_state.advance()
+                    if i + S < n_iters:
+                        pipe_k.producer_acquire(k_state)
+                        cute.copy(tma_atom_K, tKgK[None, n_block_max - 1 - i - S], tKsK[None, k_state.index],
+                                  tma_bar_ptr=pipe_k.producer_get_barrier(k_state), **self.l2_policy(L2_EVICT_LAST))
+                        k_state.advance()
+                n_iters = Int32(0)
         for i in cutlass.range(n_iters, unroll=1):
             n_block = n_block_max - 1 - i
             if const_expr(self.narrow_last):
