@@ -154,8 +154,9 @@ TRACE_SLOTS = dict(smid=0, start=1, gtime=2, n_blocks=3, q_ready=4, first_block=
 
 
 def write_state(put, acc_O, row_max, row_sum) -> None:
-    """(Traced inline: plain Python loops unroll.) A thread's online-softmax state as values 0.. (``put(i, x)``): its rows' maxima, then their
-    partial sums, then its O accumulator (stream_k_merge's workspace, key_split_merge's record)."""
+    """A thread's online-softmax state as values 0.. (``put(i, x)``): its rows' maxima, then
+    their partial sums, then its O accumulator (stream_k_merge's workspace, key_split_merge's
+    record). Traced inline: its plain Python loops unroll."""
     num_rows = cute.size(row_max)
     for r in range(num_rows):
         put(r, row_max[r])
