@@ -109,3 +109,30 @@ def mul_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
         T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
         "mul.rn.f32 $0, $1, $2;", "=f,f,f", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def write_state(put, acc_O, row_max, row_sum) -> None:
+    """A thread's online-softmax state as values 0.. (``put(i, x)``): its rows' maxima, then
+    their partial sums, then its O accumulator (stream_k_merge's workspace, key_split_merge's
+    record). Traced inline: its plain Python loops unroll."""
+    num_rows = cute.size(row_max)
+    for r in range(num_rows):
+        put(r, row_max[r])
+        put(num_rows + r, row_sum[r])
+    for i in range(cute.size(acc_O)):
+        put(2 * num_rows + i, acc_O[i])
+
+
+def merge_twin_state(twin, acc_O_mn, row_max, row_sum, scale_log2) -> None:
+    """Merge the state another thread wrote for the same rows and columns (value i is ``twin(i)``,
+    laid out as write_state does) into this thread's: the larger max, each state scaled to it,
+    products rounded apart and then added, so the result is bitwise the same whichever of the
+    two is this thread's."""
+    num_rows = cute.size(row_max)
+    for r in range(num_rows):
+        m, c_own, c_twin = merge_scales(row_max[r], twin(r), scale_log2)
+        row_max[r] = m
+        row_sum[r] = mul_rn(row_sum[r], c_own) + mul_rn(twin(num_rows + r), c_twin)
+        for c in range(cute.size(acc_O_mn, mode=[1])):
+            o_twin = twin(2 * num_rows + cute.crd2idx((r, c), acc_O_mn.layout))
+            acc_O_mn[r, c] = mul_rn(acc_O_mn[r, c], c_own) + mul_rn(o_twin, c_twin)

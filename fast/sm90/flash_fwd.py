@@ -47,7 +47,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import Boolean
 
 from dualattn.fast.common.codegen import per_use_i32, trace_registers
-from dualattn.fast.common.softmax import merge_scales, mul_rn, tree_reduce
+from dualattn.fast.common.softmax import merge_twin_state, tree_reduce, write_state
 from dualattn.fast.common.block_info import (block_needs_mask, csr_block_at, csr_row, masked_last_groups,
                                              masked_last_visit)
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
@@ -151,33 +151,6 @@ TRACE_SLOTS = dict(smid=0, start=1, gtime=2, n_blocks=3, q_ready=4, first_block=
                    # the producer warp's, in the first warpgroup's rows: it reaches the tile, it
                    # has Q's buffer (the Q load issued), it has issued the tile's last K / V load
                    p_start=8, p_q_issued=9, p_kv_issued=10)
-
-
-def write_state(put, acc_O, row_max, row_sum) -> None:
-    """A thread's online-softmax state as values 0.. (``put(i, x)``): its rows' maxima, then
-    their partial sums, then its O accumulator (stream_k_merge's workspace, key_split_merge's
-    record). Traced inline: its plain Python loops unroll."""
-    num_rows = cute.size(row_max)
-    for r in range(num_rows):
-        put(r, row_max[r])
-        put(num_rows + r, row_sum[r])
-    for i in range(cute.size(acc_O)):
-        put(2 * num_rows + i, acc_O[i])
-
-
-def merge_twin_state(twin, acc_O_mn, row_max, row_sum, scale_log2) -> None:
-    """Merge the state another thread wrote for the same rows and columns (value i is ``twin(i)``,
-    laid out as write_state does) into this thread's: the larger max, each state scaled to it,
-    products rounded apart and then added, so the result is bitwise the same whichever of the
-    two is this thread's."""
-    num_rows = cute.size(row_max)
-    for r in range(num_rows):
-        m, c_own, c_twin = merge_scales(row_max[r], twin(r), scale_log2)
-        row_max[r] = m
-        row_sum[r] = mul_rn(row_sum[r], c_own) + mul_rn(twin(num_rows + r), c_twin)
-        for c in range(cute.size(acc_O_mn, mode=[1])):
-            o_twin = twin(2 * num_rows + cute.crd2idx((r, c), acc_O_mn.layout))
-            acc_O_mn[r, c] = mul_rn(acc_O_mn[r, c], c_own) + mul_rn(o_twin, c_twin)
 
 
 def _advanced(state):
