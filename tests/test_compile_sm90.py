@@ -645,7 +645,8 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
     32 / 160 per producer / consumer thread, an epilogue per warp (warp syncs, no named
     barrier: FastSm90Forward.warp_store_o), the GEMM
-    issue ordered in a ring of three named barriers); causal below 4k queries keeps 2."""
+    issue ordered in a ring of three named barriers); batched causal takes 3 from 1536 queries
+    where the 192-row pairs fill two rounds of the grid (one from 4k queries), else keeps 2."""
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True
     assert FastSm90Forward.config(_spec(64, True))[0] == 128
@@ -659,7 +660,15 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert FastSm90Forward.paired(mid_causal) and FastSm90Forward.q_stages(mid_causal) == 2
     kern = FORWARD.make_kernel(mid_causal)
     assert kern.num_mma_wg == 3 and kern.smem_bytes <= 227 * 1024
-    assert FastSm90Forward.config(_spec(64, True, sq=4095, sk=4095))[0] == 128
+    assert FastSm90Forward.config(_spec(64, True, sq=4095, sk=4095))[0] == 128  # 176 pairs < 2 x 132
+
+    def tile_m(b, s, h, mode="batched"):
+        spec = AttentionSpec(mode, b, s, s, h, h, 64, 64, torch.bfloat16, "cuda", causal=True)
+        return FastSm90Forward.config(spec)[0]
+    assert tile_m(8, 2048, 32) == 192 and tile_m(4, 2048, 16) == 192 and tile_m(12, 1536, 32) == 192
+    assert tile_m(16, 1024, 32) == 128 and tile_m(2, 2048, 16) == 128 and tile_m(32, 1535, 32) == 128
+    assert tile_m(1, 4096, 16) == 192 and tile_m(1, 4096, 8) == 128  # 176 / 88 pairs on 132 SMs
+    assert tile_m(8, 2048, 32, "varlen") == 128 and tile_m(1, 16384, 1) == 192
     long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
     assert long_causal[:3] == (192, 128, 3) and long_causal[3] is True and long_causal[5] is False
     assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128
@@ -842,7 +851,7 @@ def test_hd256_key_tile_rule():
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("d, causal, window, sq_range, hq, hkv", [
     (128, True, (-1, -1), (65, 3000), 4, 4),      # 128-row tiles
-    (64, True, (-1, -1), (4096, 9000), 4, 4),     # 3 warpgroups: 192-row tiles
+    (64, True, (-1, -1), (4096, 9000), 16, 16),   # 3 warpgroups: 192-row tiles (enough pairs)
     (256, True, (-1, -1), (65, 2048), 4, 4),      # 64-key tiles
     (128, True, (-1, -1), (1, 64), 32, 8),        # packed GQA rows (g = 4)
     (128, False, (-1, 77), (65, 3000), 4, 2),     # a right window bound alone
@@ -900,7 +909,7 @@ def test_paired_key_blocks_transcribes_the_kernels_bounds(d, causal, window, sq_
     (192, 1000, (-1, -1), 4, 4),   # 112-key tiles
     (256, 1000, (-1, 37), 4, 4),   # a right window bound alone
     (256, 48, (-1, -1), 32, 8),    # packed GQA rows, where the pack applies at hd256
-    (64, 4224, (-1, -1), 4, 4),    # ping-pong, 3 warpgroups: 192-row tiles on 128-key tiles
+    (64, 4224, (-1, -1), 16, 16),  # ping-pong, 3 warpgroups: 192-row tiles on 128-key tiles
     (128, 1000, (-1, -1), 4, 4),   # ping-pong, 128 x 128 tiles (blocks hidden at offsets only)
     (128, 48, (-1, -1), 32, 8),    # ping-pong, packed GQA rows
 ])
@@ -1072,7 +1081,7 @@ def test_narrow_last_block_holds_no_key_of_the_warpgroup_in_its_lower_half(d, sq
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("d,sq,window,hq,hkv", [
     (128, 1000, (-1, -1), 4, 4),   # ping-pong, 128 x 128 tiles: the diagonal's first warpgroup
-    (64, 5000, (-1, -1), 4, 4),    # 3 warpgroups, 192 x 128 tiles
+    (64, 5000, (-1, -1), 16, 16),  # 3 warpgroups, 192 x 128 tiles (enough pairs)
     (256, 1000, (-1, -1), 4, 4),   # 128 x 64 tiles
     (192, 1000, (-1, 77), 4, 4),   # 112-key tiles, a right window bound
     (128, 48, (-1, -1), 32, 8),    # packed GQA rows

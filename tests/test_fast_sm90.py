@@ -50,7 +50,8 @@ for _c in (False, True):
         _case("q1k239", 1, 1, 239, 2, 1, _d, "bfloat16", _c)
         _case("q203k113", 2, 203, 113, 4, 4, _d, "bfloat16", _c)  # causal: fully masked rows
     _case("long", 1, 4224, 4224, 2, 2, 128, "bfloat16", _c)
-    # hd64 from 4k queries: 3 consumer warpgroups (causal: 4 stages, paired persistent order)
+    # hd64 from 4k queries: 3 consumer warpgroups (causal: 4 stages, paired persistent order,
+    # where the pairs fill the grid: on 132 SMs these few heads keep 2, on 16 they take 3)
     _case("long", 1, 4224, 4224, 2, 2, 64, "bfloat16", _c)
     _case("long-odd", 1, 4301, 4157, 4, 2, 64, "bfloat16", _c)
     for _hkv in (1, 2, 4, 8):  # GQA ratios 8, 4, 2, 1
@@ -61,6 +62,8 @@ for _c in (False, True):
         for _d in (64, 128, 256):
             _case("dense", 2, 1000, 1000, 4, 2, _d, "bfloat16", _c, _p)
         _case("q203k113", 2, 203, 113, 4, 4, 128, "bfloat16", _c, _p)
+_case("long", 1, 4224, 4224, 2, 2, 64, "bfloat16", True, num_sms=16)
+_case("long-odd", 1, 4301, 4157, 4, 2, 64, "bfloat16", True, num_sms=16)
 # sliding windows (bottom-right diagonal) and softcap
 for _w, _c in (((64, 0), False), ((-1, 32), False), ((100, -1), False), ((33, 7), True),
                ((200, 50), False), ((0, 0), False)):
@@ -150,8 +153,8 @@ _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
 # each warpgroup's own key bound (FastSm90Forward.wg_key_bound), forced on or off where the
 # default rule says otherwise: ping-pong configs (a passed block still takes its turn of the
 # ring), 3 warpgroups' 192-row tiles, bottom-right offsets, packed GQA rows, hd256's 80-key tiles
-_case("wgkb", 1, 4224, 4224, 2, 2, 64, "bfloat16", True, stream_k="0", wg_key_bound="1")
-_case("wgkb", 1, 4100, 4400, 3, 1, 64, "bfloat16", True, "0", wg_key_bound="1")
+_case("wgkb", 1, 4224, 4224, 2, 2, 64, "bfloat16", True, stream_k="0", wg_key_bound="1", num_sms=16)
+_case("wgkb", 1, 4100, 4400, 3, 1, 64, "bfloat16", True, "0", wg_key_bound="1", num_sms=16)
 _case("wgkb", 2, 300, 364, 4, 2, 128, "bfloat16", True, wg_key_bound="1")
 _case("wgkb", 2, 1000, 1100, 4, 4, 64, "bfloat16", True, "1", wg_key_bound="1")
 _case("wgkb", 2, 700, 650, 4, 2, 128, "float16", False, "0", wg_key_bound="1", window=(90, 30))
@@ -187,6 +190,17 @@ _case("keysplit", 1, 250, 777, 6, 3, 64, softcap=10.0)
 _case("keysplit", 2, 4096, 1500, 3, 3, 64, "bfloat16", False, "0")
 _case("keysplit", 1, 4096, 4096, 5, 5, 64, num_sms=9)
 _case("keysplit-off", 2, 200, 300, 4, 2, 64, key_split="0")
+# batched causal hd64 below 4k queries on 3 warpgroups where the 192-row pairs fill the grid
+# (sm90._causal_3wg_fills_grid; num_sms sizes the grid the rule and the launch see): an odd
+# block count with a 64-row last tile; GQA fp16 with an 80-row last tile; more keys than queries;
+# the bench's rule on the real SM count; and shapes the rule keeps on 2 warpgroups (too few
+# pairs: below 4k and from 4k)
+_case("causal3wg", 2, 1600, 1600, 4, 4, 64, "bfloat16", True, num_sms=5)
+_case("causal3wg", 3, 2000, 2000, 4, 2, 64, "float16", True, num_sms=8)
+_case("causal3wg", 1, 1536, 1700, 8, 8, 64, "bfloat16", True, num_sms=4)
+_case("causal3wg", 4, 2048, 2048, 16, 16, 64, "bfloat16", True)
+_case("causal2wg", 2, 2048, 2048, 8, 8, 64, "bfloat16", True)
+_case("causal2wg", 1, 4096, 4096, 8, 8, 64, "bfloat16", True)
 # one O slot that the two warpgroups stage their rows in by turns (FastSm90Forward.shared_o_slot:
 # hd256 at 64-key tiles, (192, 128), hd192 under 4k keys): small grids so every CTA hands the slot on over many
 # tiles (one CTA runs them all), causal pairs, a warpgroup with no row, stream-K pieces that do
@@ -576,6 +590,7 @@ def _run_worker(out_path: str, group: str) -> None:
                 rec["o_slot"] = impl.name == "fast-sm90" and impl.shared_o_slot(call.spec)
                 rec["narrow_last"] = impl.name == "fast-sm90" and impl.narrow_last(call.spec)
                 rec["key_split"] = impl.name == "fast-sm90" and impl.key_split(call.spec)
+                rec["tile_m"] = impl.config(call.spec)[0] if impl.name == "fast-sm90" else 0
                 rec["split_groups"] = (impl.scalar_fields(call.spec, sm90._num_sms(q.device))[-1]
                                        if rec["split_tail"] else 0)
                 outs = []
@@ -685,6 +700,8 @@ def test_forward_matches_oracle(results, case):
         assert r["sk_tiles"] > 0, "no tile was cut: the pieces' hand-over did not run"
     if name.startswith("keysplit"):  # the split of light last tiles reached the kernel (or, off, did not)
         assert r["key_split"] is not name.startswith("keysplit-off")
+    if name.startswith(("causal3wg-", "causal2wg-")):  # the warpgroup rule's choice reached the kernel
+        assert r["tile_m"] == (192 if name.startswith("causal3wg-") else 128)
     if name.startswith("narrowlast-"):  # the left edge's narrow step reached the kernel (or not)
         assert r["narrow_last"] is ("-narrow_last0-" not in name)
     if name.startswith("splittail-"):  # the tail order the case names reached the kernel

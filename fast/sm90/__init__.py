@@ -190,7 +190,9 @@ PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share th
 
 
 def _three_warpgroups(spec) -> bool:
-    """Plain hd64 (causal only from 16k queries): 3 consumer warpgroups (tile_m 192) instead of 2.
+    """Plain hd64 (causal: from CAUSAL_3WG_MIN_SEQLEN queries, or batched from
+    CAUSAL_3WG_MIN_SEQLEN_FILLED where the pairs fill the grid, below): 3 consumer warpgroups
+    (tile_m 192) instead of 2.
     H100, bf16, 16k tokens, one lease (TFLOP/s, 2 -> 3 warpgroups; FA4 / cuDNN in the same run):
     1k 335 -> 324, 2k 368 -> 422, 4k 428 -> 475, 8k 442 -> 535, 16k 461 -> 522 (FA4 364-585,
     cuDNN 366-487): more query rows per K/V tile loaded, where hd64's short GEMMs leave the loads
@@ -205,7 +207,49 @@ def _three_warpgroups(spec) -> bool:
     64:128,4,1,1,3): causal 4k 405 -> 416, 8k 422 -> 468, but 512-2k 0.87-0.92x and 16k 0.98x
     (where the default already is 3 warpgroups, 3 stages, one CTA per tile): so causal hd64 runs
     3 warpgroups from 4k queries (FastSm90Forward.config gives them 4 stages below 16k)."""
-    return _plain_hd64(spec) and (not spec.causal or spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN)
+    if not _plain_hd64(spec):
+        return False
+    if not spec.causal:
+        return True
+    if spec.mode != "batched" or spec.seqlen_q >= CAUSAL_PER_TILE_MIN_SEQLEN:
+        return spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN
+    return spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN_FILLED and _causal_3wg_fills_grid(spec)
+
+
+# Batched causal hd64 on the persistent grid (paired order) from this many queries runs 3
+# warpgroups where its 192-row pairs fill the grid (_causal_3wg_fills_grid). H200, CUDA-graph
+# replays interleaved, time 3 / 2 warpgroups (ci/sm90_env_ab.py "" "DUALATTN_SM90_TILES=
+# 64:128,4,1,1,3" b,s,h,64,1; docs section 47), by batch x queries x heads (pairs of 192-row
+# tiles): 8 x 2k x 32 (1408) 0.966-0.972, 32 x 2k x 32 0.975, 4 x 2k x 16 (352) 0.993, 2 x 2k x 32
+# (352) 0.989, 12 x 1536 x 32 0.944, 10 x 1792 x 32 0.976, 6 x 3k x 32 0.901, 6 x 3k x 8 (384)
+# 0.925; but 16 x 1k x 32 1.188 (the last tile holds 64 of 192 rows: a sixth of the tiles are
+# light, and in the paired order the heaviest), 2 x 2k x 16 (176 pairs) 1.018, 2 x 2k x 8 (88)
+# 1.276, and at 4k 1 x 4k x 8 (88 pairs: a third of the SMs idle, nothing for stream-K to cut)
+# 1.264, where 1 x 4k x 16 (176) 0.978 and 1 x 8k x 8 (172) 0.912 gain (stream-K cuts pairs of
+# 4k keys). Queries below it (1k: the light last tile above) stay on 2 warpgroups.
+CAUSAL_3WG_MIN_SEQLEN_FILLED = 1536
+# rounds of 192-row pairs on the SMs that 3 warpgroups need: two below STREAM_K_MIN_KEYS queries
+# (no stream-K cut for pairs there), one from it
+CAUSAL_3WG_MIN_ROUNDS = 2
+
+
+def _model_sm_count() -> int:
+    """SMs the config's grid model assumes: the current CUDA device's, else an H100's 132 (the
+    CPU compile tests)."""
+    if _NUM_SMS_ENV:
+        return int(_NUM_SMS_ENV)
+    if torch.cuda.is_available():
+        return _num_sms(torch.device("cuda"))
+    return 132
+
+
+def _causal_3wg_fills_grid(spec) -> bool:
+    """The 192-row tiles' pairs (tile_order.paired_units) run at least CAUSAL_3WG_MIN_ROUNDS
+    rounds on the SMs (one round from STREAM_K_MIN_KEYS queries, where stream-K cuts a partial
+    last round along the keys): few, coarse pairs leave SMs idle that 128-row pairs fill."""
+    pairs = paired_units(-(-spec.seqlen_q // 192), spec.batch * spec.num_heads_q)
+    rounds = 1 if spec.seqlen_q >= STREAM_K_MIN_KEYS else CAUSAL_3WG_MIN_ROUNDS
+    return pairs >= rounds * _model_sm_count()
 
 
 def _persistent_csr(spec) -> bool:
