@@ -2,6 +2,7 @@
 
     python ci/compile_time.py            # hd 64 / 128 / 256, causal and not, 1k and 16k queries
     python ci/compile_time.py 256,1      # only these (head dim, causal 0/1) cells
+    python ci/compile_time.py 64,1,2048  # and only this query length (16k tokens in all)
 
 Each config is compiled in a fresh process with its own empty kernel cache
 (DUALATTN_CACHE_DIR), so nothing is loaded from disk: the figure is the first call of
@@ -49,9 +50,10 @@ def run(args, cache):
 
 def main() -> None:
     worst = 0.0
-    cells = [(int(a.split(",")[0]), a.split(",")[1] == "1") for a in sys.argv[1:]] or CELLS
-    for d, causal in cells:
-        for s in SEQLENS:
+    fields = [a.split(",") for a in sys.argv[1:]]
+    cells = [(int(f[0]), f[1] == "1", tuple(int(x) for x in f[2:]) or SEQLENS) for f in fields]
+    for d, causal, seqlens in cells or [(d, c, SEQLENS) for d, c in CELLS]:
+        for s in seqlens:
             with tempfile.TemporaryDirectory() as cache:
                 os.chmod(cache, 0o700)
                 cold = run((d, int(causal), s), cache)
