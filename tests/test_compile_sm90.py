@@ -25,6 +25,15 @@ from dualattn.fast.common.tile_order import L2_SECTION_BYTES  # noqa: E402
 from dualattn.fast.sm90 import FORWARD, SUPPORTED_HEAD_DIMS, FastSm90Forward  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _grid_rules_see_one_sm(monkeypatch):
+    """The config's grid rules (sm90._model_sm_count: hd64's warpgroups by how the tiles fill the
+    SMs) see one SM here, so this file's small specs get the configs large grids get;
+    test_hd64_warpgroup_rules checks the rules on 132 SMs."""
+    import dualattn.fast.sm90 as sm90
+    monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "1")
+
+
 def _spec(d=128, causal=False, dtype=torch.bfloat16, sq=1000, sk=1000, **kw):
     kw.setdefault("return_lse", True)  # the kernel that stores the LSE (the one every harness runs)
     return AttentionSpec("batched", 2, sq, sk, 8, 2, d, kw.pop("dv", d), dtype, "cuda", causal=causal, **kw)
@@ -641,6 +650,34 @@ def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
+def test_hd64_warpgroup_rules(monkeypatch):
+    """hd64's 2 or 3 consumer warpgroups by how the tiles fill 132 SMs (docs section 47):
+    batched causal takes 3 from 1536 queries where the 192-row pairs make two rounds (one from
+    4k); batched non-causal keeps 2 where its 128-row tiles fit one round. The 2-warpgroup
+    non-causal config compiles, its loop on wgmma."""
+    import dualattn.fast.sm90 as sm90
+    monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "132")
+
+    def tile_m(b, s, h, causal=True, mode="batched"):
+        spec = AttentionSpec(mode, b, s, s, h, h, 64, 64, torch.bfloat16, "cuda", causal=causal)
+        return FastSm90Forward.config(spec)[0]
+    assert tile_m(8, 2048, 32) == 192 and tile_m(4, 2048, 16) == 192 and tile_m(12, 1536, 32) == 192
+    assert tile_m(16, 1024, 32) == 128 and tile_m(2, 2048, 16) == 128 and tile_m(32, 1535, 32) == 128
+    assert tile_m(1, 4096, 16) == 192 and tile_m(1, 4096, 8) == 128  # 176 / 88 pairs
+    assert tile_m(8, 2048, 32, mode="varlen") == 128 and tile_m(1, 16384, 1) == 192
+    assert tile_m(2, 4095, 8) == 128  # 176 pairs < 2 x 132
+    # non-causal: 128-row tiles that fit one round (1 x 1k x 16: 128) keep 2
+    assert tile_m(1, 1024, 16, False) == 128 and tile_m(1, 1025, 16, False) == 192
+    assert tile_m(1, 2048, 16, False) == 192 and tile_m(16, 1024, 32, False) == 192
+    assert tile_m(1, 1024, 16, False, "varlen") == 192
+    small = AttentionSpec("batched", 1, 1024, 1024, 16, 16, 64, 64, torch.bfloat16, "cuda", return_lse=True)
+    assert not FastSm90Forward.key_split(small) and FastSm90Forward.q_regs(small)
+    ptx = FastSm90Forward().compile_only(small, arch=90).__ptx__
+    assert ".reqntid 384, 1, 1" in ptx and _loops_with(ptx, "wgmma.mma_async") >= 1
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
 def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
     32 / 160 per producer / consumer thread, an epilogue per warp (warp syncs, no named
@@ -660,15 +697,7 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert FastSm90Forward.paired(mid_causal) and FastSm90Forward.q_stages(mid_causal) == 2
     kern = FORWARD.make_kernel(mid_causal)
     assert kern.num_mma_wg == 3 and kern.smem_bytes <= 227 * 1024
-    assert FastSm90Forward.config(_spec(64, True, sq=4095, sk=4095))[0] == 128  # 176 pairs < 2 x 132
-
-    def tile_m(b, s, h, mode="batched"):
-        spec = AttentionSpec(mode, b, s, s, h, h, 64, 64, torch.bfloat16, "cuda", causal=True)
-        return FastSm90Forward.config(spec)[0]
-    assert tile_m(8, 2048, 32) == 192 and tile_m(4, 2048, 16) == 192 and tile_m(12, 1536, 32) == 192
-    assert tile_m(16, 1024, 32) == 128 and tile_m(2, 2048, 16) == 128 and tile_m(32, 1535, 32) == 128
-    assert tile_m(1, 4096, 16) == 192 and tile_m(1, 4096, 8) == 128  # 176 / 88 pairs on 132 SMs
-    assert tile_m(8, 2048, 32, "varlen") == 128 and tile_m(1, 16384, 1) == 192
+    assert FastSm90Forward.config(_spec(64, True, sq=1535, sk=1535))[0] == 128
     long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
     assert long_causal[:3] == (192, 128, 3) and long_causal[3] is True and long_causal[5] is False
     assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128

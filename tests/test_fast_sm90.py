@@ -62,6 +62,15 @@ for _c in (False, True):
         for _d in (64, 128, 256):
             _case("dense", 2, 1000, 1000, 4, 2, _d, "bfloat16", _c, _p)
         _case("q203k113", 2, 203, 113, 4, 4, 128, "bfloat16", _c, _p)
+# hd64 non-causal: shapes whose 128-row tiles fit one round run 2 warpgroups
+# (sm90._two_wg_tiles_fit_one_round), so the cases above test that; the same shapes on the
+# 3 warpgroups larger grids get, with the rule's SM count at 1 (the launch's grid unchanged)
+for _args in ((2, 1024, 1024, 4, 4), (2, 113, 203, 4, 2), (1, 1, 1, 2, 2), (1, 239, 1, 2, 1),
+              (1, 1, 239, 2, 1), (2, 203, 113, 4, 4), (1, 4224, 4224, 2, 2), (1, 257, 129, 6, 2)):
+    _case("wg3", *_args, 64, "bfloat16", False, model_sms=1)
+_case("wg3", 1, 512, 512, 4, 4, 64, "float16", False, model_sms=1)
+_case("wg3", 2, 1000, 1000, 4, 2, 64, "bfloat16", False, "0", model_sms=1)
+_case("wg3", 1, 113, 203, 2, 2, 64, "float16", False, softcap=5.0, model_sms=1)
 _case("long", 1, 4224, 4224, 2, 2, 64, "bfloat16", True, num_sms=16)
 _case("long-odd", 1, 4301, 4157, 4, 2, 64, "bfloat16", True, num_sms=16)
 # sliding windows (bottom-right diagonal) and softcap
@@ -116,7 +125,7 @@ _case("packgqa", 1, 64, 64, 8, 1, 64, "bfloat16", True)
 _case("packgqa", 2, 64, 129, 16, 2, 96, "float16", True, "1")
 _case("packgqa", 2, 33, 500, 8, 2, 128, window=(40, 0))
 _case("packgqa", 1, 20, 700, 8, 4, 256, "bfloat16", False, "0", window=(100, 10))
-_case("packgqa", 1, 33, 203, 8, 2, 64)                      # 3 warpgroups, 192-row tile
+_case("packgqa", 1, 33, 203, 8, 2, 64, model_sms=1)                      # 3 warpgroups, 192-row tile
 _case("packgqa", 2, 64, 300, 8, 1, 256, "float16")
 _case("packgqa", 1, 7, 1, 4, 2, 96, "float16")
 _case("packgqa", 2, 20, 400, 8, 2, 128, softcap=10.0)
@@ -182,14 +191,14 @@ _case("emptywg-off", 2, 1050, 1050, 4, 4, 128, "bfloat16", True, pass_empty_wg="
 # on 3 blocks (one each, the key tail in the first's); 2 blocks (the third warpgroup has none);
 # fp16 with one key past a block; GQA on a grid of 3 CTAs (split tiles back to back in a CTA);
 # softcap; one CTA per tile; stream-K cuts among the split tiles; and one case with it off
-_case("keysplit", 1, 1, 1000, 4, 4, 64)
-_case("keysplit", 2, 200, 300, 4, 2, 64)
-_case("keysplit", 1, 1025, 129, 4, 4, 64, "float16")
+_case("keysplit", 1, 1, 1000, 4, 4, 64, model_sms=1)
+_case("keysplit", 2, 200, 300, 4, 2, 64, model_sms=1)
+_case("keysplit", 1, 1025, 129, 4, 4, 64, "float16", model_sms=1)
 _case("keysplit", 2, 1000, 4001, 4, 1, 64, num_sms=3)
-_case("keysplit", 1, 250, 777, 6, 3, 64, softcap=10.0)
+_case("keysplit", 1, 250, 777, 6, 3, 64, softcap=10.0, model_sms=1)
 _case("keysplit", 2, 4096, 1500, 3, 3, 64, "bfloat16", False, "0")
 _case("keysplit", 1, 4096, 4096, 5, 5, 64, num_sms=9)
-_case("keysplit-off", 2, 200, 300, 4, 2, 64, key_split="0")
+_case("keysplit-off", 2, 200, 300, 4, 2, 64, key_split="0", model_sms=1)
 # batched causal hd64 below 4k queries on 3 warpgroups where the 192-row pairs fill the grid
 # (sm90._causal_3wg_fills_grid; num_sms sizes the grid the rule and the launch see): an odd
 # block count with a 64-row last tile; GQA fp16 with an 80-row last tile; more keys than queries;
@@ -553,6 +562,7 @@ def _run_worker(out_path: str, group: str) -> None:
             kw = dict(kw)
             sm90._PERSISTENT_ENV = persistent or ""
             sm90._NUM_SMS_ENV = str(kw.pop("num_sms", ""))
+            sm90._MODEL_SMS_ENV = str(kw.pop("model_sms", ""))
             sm90._STREAM_K_MIN_KEYS_ENV = "0" if sm90._NUM_SMS_ENV else ""
             sm90._STREAM_K_ENV = kw.pop("stream_k", "")
             sm90._WG_KEY_BOUND_ENV = kw.pop("wg_key_bound", "")
@@ -614,6 +624,7 @@ def _run_worker(out_path: str, group: str) -> None:
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
         sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = sm90._PASS_EMPTY_WG_ENV = sm90._O_SLOT_ENV = ""
         sm90._KEY_SPLIT_ENV = ""
+        sm90._MODEL_SMS_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
             if _in_group(case[0], group):
@@ -702,6 +713,10 @@ def test_forward_matches_oracle(results, case):
         assert r["key_split"] is not name.startswith("keysplit-off")
     if name.startswith(("causal3wg-", "causal2wg-")):  # the warpgroup rule's choice reached the kernel
         assert r["tile_m"] == (192 if name.startswith("causal3wg-") else 128)
+    if name.startswith("wg3-"):
+        assert r["tile_m"] == 192
+    if name.startswith(("dense-", "odd-")) and "-d64-" in name + "-" and "-causal" not in name:
+        assert r["tile_m"] == 128, "hd64 non-causal tiles that fit one round: 2 warpgroups"
     if name.startswith("narrowlast-"):  # the left edge's narrow step reached the kernel (or not)
         assert r["narrow_last"] is ("-narrow_last0-" not in name)
     if name.startswith("splittail-"):  # the tail order the case names reached the kernel

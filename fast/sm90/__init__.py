@@ -89,6 +89,9 @@ def _stream_k_min_keys(narrow: bool) -> int:
 _REDUCE_CHAINS_ENV = os.environ.get("DUALATTN_SM90_REDUCE_CHAINS", "")
 # the SM count the persistent grid is sized by (tests: a small grid makes cut tiles at small shapes)
 _NUM_SMS_ENV = os.environ.get("DUALATTN_SM90_NUM_SMS", "")
+# the SM count only the config's grid rules assume, the launch's grid unchanged (tests: "1" gives
+# small shapes the configs large ones get; see _model_sm_count)
+_MODEL_SMS_ENV = os.environ.get("DUALATTN_SM90_MODEL_SMS", "")
 
 TILE_CONFIG = {64: (128, 3), 96: (128, 2), 128: (128, 2), 192: (112, 2), 256: (80, 2)}
 # head dims (D, Dv) with Dv != D: (192, 128) (DeepSeek-style MLA prefill). Q 48 KB + 2 stages of
@@ -191,8 +194,9 @@ PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share th
 
 def _three_warpgroups(spec) -> bool:
     """Plain hd64 (causal: from CAUSAL_3WG_MIN_SEQLEN queries, or batched from
-    CAUSAL_3WG_MIN_SEQLEN_FILLED where the pairs fill the grid, below): 3 consumer warpgroups
-    (tile_m 192) instead of 2.
+    CAUSAL_3WG_MIN_SEQLEN_FILLED where the pairs fill the grid, below; non-causal: unless its
+    128-row tiles fit one round, _two_wg_tiles_fit_one_round): 3 consumer warpgroups (tile_m
+    192) instead of 2.
     H100, bf16, 16k tokens, one lease (TFLOP/s, 2 -> 3 warpgroups; FA4 / cuDNN in the same run):
     1k 335 -> 324, 2k 368 -> 422, 4k 428 -> 475, 8k 442 -> 535, 16k 461 -> 522 (FA4 364-585,
     cuDNN 366-487): more query rows per K/V tile loaded, where hd64's short GEMMs leave the loads
@@ -210,7 +214,7 @@ def _three_warpgroups(spec) -> bool:
     if not _plain_hd64(spec):
         return False
     if not spec.causal:
-        return True
+        return not _two_wg_tiles_fit_one_round(spec)
     if spec.mode != "batched" or spec.seqlen_q >= CAUSAL_PER_TILE_MIN_SEQLEN:
         return spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN
     return spec.seqlen_q >= CAUSAL_3WG_MIN_SEQLEN_FILLED and _causal_3wg_fills_grid(spec)
@@ -234,8 +238,10 @@ CAUSAL_3WG_MIN_ROUNDS = 2
 
 
 def _model_sm_count() -> int:
-    """SMs the config's grid model assumes: the current CUDA device's, else an H100's 132 (the
-    CPU compile tests)."""
+    """SMs the config's grid rules assume (_causal_3wg_fills_grid, _two_wg_tiles_fit_one_round):
+    the current CUDA device's, else an H100's 132 (the CPU compile tests)."""
+    if _MODEL_SMS_ENV:
+        return int(_MODEL_SMS_ENV)
     if _NUM_SMS_ENV:
         return int(_NUM_SMS_ENV)
     if torch.cuda.is_available():
@@ -250,6 +256,18 @@ def _causal_3wg_fills_grid(spec) -> bool:
     pairs = paired_units(-(-spec.seqlen_q // 192), spec.batch * spec.num_heads_q)
     rounds = 1 if spec.seqlen_q >= STREAM_K_MIN_KEYS else CAUSAL_3WG_MIN_ROUNDS
     return pairs >= rounds * _model_sm_count()
+
+
+def _two_wg_tiles_fit_one_round(spec) -> bool:
+    """Batched non-causal hd64 whose 128-row tiles (query heads unpacked) all run at once on the
+    SMs: 192-row tiles then only make every CTA's one tile longer (no round is saved, and a
+    single round leaves stream-K nothing to cut), so 2 warpgroups run it. H200, CUDA-graph
+    replays interleaved, time 2 / 3 warpgroups (ci/sm90_env_ab.py ""
+    "DUALATTN_SM90_TILES=64:128,3,1,1,2" b,s,h,64,0; docs section 47), batch x queries x heads
+    (128-row tiles): 1 x 1k x 8 (64) 0.836, 1 x 1k x 16 (128) 0.838, 1 x 2k x 8 (128) 0.825, 1 x
+    512 x 32 (128) 0.863, 1 x 4k x 4 (128) 0.812; 1 x 2k x 16 (256, two rounds) 0.984 stays on 3."""
+    return (spec.mode == "batched"
+            and spec.batch * spec.num_heads_q * -(-spec.seqlen_q // 128) <= _model_sm_count())
 
 
 def _persistent_csr(spec) -> bool:
