@@ -7,7 +7,7 @@ kernels, captured once each, timed interleaved in five rounds (medians; L2 flush
 A and B: ';'-separated NAME=VALUE settings, NAME a module global of dualattn.fast.sm90 (the knobs'
 ``_..._ENV`` values, e.g. _PERSISTENT_ENV=1) or an environment variable read per call
 (DUALATTN_SM90_TILES=256:64,2); "" is the default. CELL: batch,seqlen,heads,head_dim,causal (0/1),
-query and key lengths equal, or one of the bench's mask cells by name (window, docs, sparse), or a
+query and key lengths equal or as Sq:Sk (e.g. 1,256:16384,32/8,128,1), or one of the bench's mask cells by name (window, docs, sparse), or a
 causal sliding window as window:batch,seqlen,heads,head_dim,left (e.g. window:2,8192,16,128,1024),
 or with ,right appended a non-causal window of both bounds; heads as 32/8 for GQA (dense or window).
 Prints each cell's TFLOP/s both ways and time B / time A (above 1: B is slower).
@@ -69,9 +69,10 @@ def main(a: str, b: str, cells) -> None:
         else:
             fields = text.split(",")
             heads_q, heads_kv = parse_heads(fields[2])
-            batch, seqlen, head_dim, causal = (int(x) for x in fields[:2] + fields[3:])
-            cell = B.Cell("fwd", "dense" if heads_q == heads_kv else "gqa", batch, seqlen, seqlen,
-                          heads_q, heads_kv, head_dim, causal=causal == 1)
+            seqlen_q, _, seqlen_k = fields[1].partition(":")
+            batch, head_dim, causal = (int(x) for x in fields[:1] + fields[3:])
+            cell = B.Cell("fwd", "dense" if heads_q == heads_kv else "gqa", batch, int(seqlen_q),
+                          int(seqlen_k or seqlen_q), heads_q, heads_kv, head_dim, causal=causal == 1)
         inp = B.make_inputs(cell)
         flops = B.work(cell)[0]
         graphs = {}
@@ -88,7 +89,7 @@ def main(a: str, b: str, cells) -> None:
             for name in ("A", "B"):
                 ms[name].append(timer.time_ms(graphs[name])[0])
         ta, tb = statistics.median(ms["A"]), statistics.median(ms["B"])
-        print(f"{cell.label():45s} A {flops / ta / 1e9:7.1f}  B {flops / tb / 1e9:7.1f} TFLOP/s  "
+        print(f"{text:22s} {cell.label():45s} A {flops / ta / 1e9:7.1f}  B {flops / tb / 1e9:7.1f} TFLOP/s  "
               f"time B/A {tb / ta:.3f}", flush=True)
         del inp, graphs
         torch.cuda.empty_cache()

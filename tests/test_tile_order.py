@@ -10,7 +10,8 @@ from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_
                                               rotated_m_block, rotation_window,
                                               paired_unit_blocks, paired_units, split_tail_groups,
                                               split_tail_plan, split_tail_slots, split_tail_tile,
-                                              stream_k_piece, stream_k_tiles,
+                                              stream_k_grid, stream_k_piece, stream_k_tiles,
+                                              halved_units,
                                               tile_share, varlen_paired_tile, varlen_paired_units,
                                               light_query_blocks, window_order_slots, window_order_tile)
 
@@ -304,7 +305,9 @@ def test_varlen_paired_order_balances_the_bench_documents():
 def _stream_k_schedule(num_tiles, num_ctas, blocks):
     """Per CTA: its work in key blocks (uncut tiles first, then its pieces), as the kernel walks
     it (FlashFwdSm90.item_coords), and a count of the pieces that cover each (tile, key block)."""
-    sk = stream_k_tiles(num_tiles, num_ctas, blocks, 128, min_keys=0)
+    sk = (stream_k_tiles(num_tiles, min(num_tiles, num_ctas), blocks, 128, min_keys=0)
+          or halved_units(num_tiles, num_ctas, blocks, 128, min_keys=0))
+    num_ctas = stream_k_grid(num_tiles, num_ctas, sk)  # the launch's grid: 2 x tiles where halved
     dp_end = num_tiles - sk
     assert dp_end % num_ctas == 0  # the uncut tiles are whole rounds: the slots stay aligned
     cover, pieces, work = {}, {}, []
@@ -324,21 +327,43 @@ def _stream_k_schedule(num_tiles, num_ctas, blocks):
                 cover[(dp_end + t, k)] = cover.get((dp_end + t, k), 0) + 1
             w += end - start
         work.append(w)
-    return sk, cover, pieces, work
+    return sk, cover, pieces, work, num_ctas
 
 
 @pytest.mark.parametrize("num_tiles, num_ctas, blocks", [
     (2048, 132, 64), (2048, 132, 32), (1024, 132, 128), (2752, 132, 86), (160, 132, 32), (8, 5, 7),
     (24, 5, 5), (24, 16, 8), (7, 5, 4), (3000, 114, 9), (2048, 132, 1)])
 def test_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_once(num_tiles, num_ctas, blocks):
-    sk, cover, pieces, work = _stream_k_schedule(num_tiles, num_ctas, blocks)
-    assert sk > 0
+    sk, cover, pieces, work, grid = _stream_k_schedule(num_tiles, num_ctas, blocks)
+    assert sk > 0 and grid == num_ctas
     assert len(cover) == num_tiles * blocks and set(cover.values()) == {1}
     assert max(pieces.values()) <= 2  # a cut tile has two pieces: one merge, by whichever is second
     # the busiest CTA carries the average work up to a key block (uncut: a whole extra tile)
     assert max(work) <= -(-num_tiles * blocks // num_ctas)
     if blocks > 1:  # (one key block per tile: nothing finer than a tile to share out)
         assert max(work) < -(-num_tiles // num_ctas) * blocks
+
+
+@pytest.mark.parametrize("num_tiles, num_sms, blocks", [
+    (64, 132, 64), (66, 132, 33), (32, 132, 256), (1, 132, 2), (7, 20, 17), (16, 32, 3), (5, 11, 128)])
+def test_halved_units_run_two_ctas_a_tile_each_on_half_its_keys(num_tiles, num_sms, blocks):
+    """A grid of at most half the SMs: every tile cut once, at its middle key block, on a grid of
+    two CTAs a tile (the kernel's merge meets exactly two pieces)."""
+    sk, cover, pieces, work, grid = _stream_k_schedule(num_tiles, num_sms, blocks)
+    assert sk == num_tiles and grid == 2 * num_tiles
+    assert len(cover) == num_tiles * blocks and set(cover.values()) == {1}
+    assert set(pieces.values()) == {2} and len(pieces) == num_tiles
+    assert sorted(work) == sorted([blocks // 2, blocks - blocks // 2] * num_tiles)
+
+
+def test_halved_units_only_where_two_ctas_a_unit_fit():
+    assert halved_units(66, 132, 16, 128) == 0            # 2k keys: under STREAM_K_MIN_KEYS
+    assert halved_units(66, 132, 32, 128) == 66
+    assert halved_units(67, 132, 32, 128) == 0            # 134 CTAs: more than the SMs
+    assert halved_units(40, 132, 1, 128, min_keys=0) == 0  # one key block: nothing to halve
+    assert stream_k_grid(66, 132, 66) == 132 and stream_k_grid(66, 132, 0) == 66
+    # stream_k_tiles cuts only calls of more units than SMs, whose grid stays one CTA an SM
+    assert stream_k_grid(200, 132, 200) == 132
 
 
 def test_stream_k_cuts_only_where_the_last_round_idles():
@@ -356,10 +381,11 @@ def _paired_stream_k_schedule(num_m_blocks, num_bh, num_ctas, key_blocks):
     CTA its work in key blocks; per (m_block, bh, key block) how many pieces visit it; per cut
     tile its merge record (the unit's number among the cut units) and piece count."""
     units = paired_units(num_m_blocks, num_bh)
-    grid = min(units, num_ctas)
     unit_blocks, fewest = paired_unit_blocks(num_m_blocks, key_blocks)
     assert fewest > 0
-    cut = stream_k_tiles(units, grid, unit_blocks, 128, min_keys=0)
+    cut = (stream_k_tiles(units, min(units, num_ctas), unit_blocks, 128, min_keys=0)
+           or halved_units(units, num_ctas, unit_blocks, 128, min_keys=0))
+    grid = stream_k_grid(units, num_ctas, cut)
     dp_end = 2 * (units - cut)
     assert dp_end % (2 * grid) == 0  # the uncut units are whole rounds: the slots stay aligned
     total = dp_end + 2 * STREAM_K_PIECES_PER_CTA * grid if cut else 2 * grid * -(-units // grid)
@@ -396,7 +422,8 @@ def _paired_stream_k_schedule(num_m_blocks, num_bh, num_ctas, key_blocks):
 @pytest.mark.parametrize("num_m_blocks, num_bh, num_ctas, shape", [
     (128, 16, 132, "diag"), (64, 32, 132, "diag"), (32, 64, 132, "diag"), (64, 64, 132, "diag"),
     (86, 32, 132, "wide"), (43, 64, 132, "wide"), (22, 128, 132, "wide"), (17, 40, 132, "diag"),
-    (9, 7, 5, "wide"), (4, 33, 16, "offset"), (7, 3, 5, "offset"), (1, 300, 132, "diag")])
+    (9, 7, 5, "wide"), (4, 33, 16, "offset"), (7, 3, 5, "offset"), (1, 300, 132, "diag"),
+    (32, 4, 132, "diag"), (8, 4, 40, "diag"), (9, 3, 40, "wide"), (3, 4, 30, "offset")])  # halved
 def test_paired_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_once(
         num_m_blocks, num_bh, num_ctas, shape):
     """Units of (nearly) equal work: square causal tiles (diag), 192-row query tiles over 128-key
@@ -410,7 +437,7 @@ def test_paired_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_onc
     assert set(cover) == want and set(cover.values()) == {1}
     assert set(cut_pieces.values()) <= {2}  # a cut tile has two pieces: one merge
     total = sum(key_blocks(m) for m in range(num_m_blocks)) * num_bh
-    grid = min(num_ctas, paired_units(num_m_blocks, num_bh))
+    grid = stream_k_grid(paired_units(num_m_blocks, num_bh), num_ctas, cut)
     # the busiest CTA carries the average work up to a unit's spread of work plus a key block;
     # without the cut it would carry a whole unit more than most (the last round)
     mid = num_m_blocks // 2

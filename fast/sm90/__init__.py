@@ -32,7 +32,7 @@ from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
 from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
                                               STREAM_K_MIN_KEYS_NARROW, heads_per_section,
                                               paired_unit_blocks, paired_units, split_tail_plan,
-                                              stream_k_tiles)
+                                              stream_k_tiles, halved_units)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -57,6 +57,8 @@ _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm
 _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
+# "0": a grid of at most half the SMs keeps one CTA per unit (FastSm90Forward.stream_k_plan)
+_HALVED_UNITS_ENV = os.environ.get("DUALATTN_SM90_HALVED_UNITS", "")
 _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forward.bit_mask
 _TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
 _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs
@@ -972,8 +974,11 @@ class FastSm90Forward:
         units, blocks = self.stream_k_units(spec)
         if blocks == 0:
             return 0, 0
-        cut = stream_k_tiles(units, min(units, _num_sms(device)), blocks, self.config(spec)[1],
-                             _stream_k_min_keys(self._stream_k_narrow(spec)))
+        num_sms, tile_n = _num_sms(device), self.config(spec)[1]
+        min_keys = _stream_k_min_keys(self._stream_k_narrow(spec))
+        cut = stream_k_tiles(units, min(units, num_sms), blocks, tile_n, min_keys)
+        if not cut and _HALVED_UNITS_ENV != "0":  # a grid of at most half the SMs: every unit in two
+            cut = halved_units(units, num_sms, blocks, tile_n, min_keys)
         return (cut, blocks) if cut else (0, 0)
 
     @classmethod

@@ -557,10 +557,15 @@ class FlashFwdSm90:
             grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3]))
         if const_expr(self.persistent):
             # one CTA per SM (shared memory allows one), each walking tiles with a stride
-            grid = (cutlass.min(self.num_tiles(mQ, vl), num_sms), 1, 1)
+            units = self.num_tiles(mQ, vl)
             if const_expr(self.paired and not self.varlen):  # (varlen: its units are counted in the kernel)
-                grid = (cutlass.min(paired_units(num_m_blocks, cute.size(mQ.shape[2]) * cute.size(mQ.shape[3])),
-                                    num_sms), 1, 1)
+                units = paired_units(num_m_blocks, cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]))
+            grid_x = cutlass.min(units, num_sms)
+            if const_expr(self.stream_k):
+                # every unit halved (tile_order.halved_units, stream_k_grid): two CTAs a unit
+                if (sk[2] == units) & (2 * units <= num_sms):
+                    grid_x = 2 * units
+            grid = (grid_x, 1, 1)
         # varlen stores a sequence's last, partial tile with row-predicated stores (a TMA store
         # writes whole tiles, past the sequence's end into the next one): it also gets the plain
         # gmem O, as vl[4]
