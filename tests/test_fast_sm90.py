@@ -156,23 +156,33 @@ _case("streamk", 2, 1000, 1000, 4, 2, 128, "bfloat16", False, num_sms=5, window=
 _case("streamk", 1, 500, 640, 6, 3, 96, "bfloat16", True, num_sms=5, softcap=15.0)
 _case("streamk", 1, 4096, 4096, 9, 9, 128, "bfloat16", True)  # 144 pairs on 132 SMs
 _case("streamk-off", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stream_k="0")
-# a grid of at most half the SMs: every unit (tile, or causal pair) cut in two on 2 x units CTAs
-# (tile_order.halved_units): odd key-block counts, key tails inside a piece, GQA and packed GQA,
-# hd64 on 2 and 3 warpgroups, one epilogue group (D > 128), causal pairs (square, and fewer
-# queries than keys), softcap, fp16, and one case on the real SM count; one with it off
-_case("halved", 1, 500, 2100, 4, 2, 128, num_sms=40)
-_case("halved", 2, 300, 1500, 4, 4, 128, "float16", num_sms=48)
-_case("halved", 1, 700, 1500, 4, 4, 64, num_sms=64)                 # 2 warpgroups, 128-row tiles
-_case("halved", 1, 700, 1500, 4, 2, 64, num_sms=64, model_sms=1)    # 3 warpgroups, 192-row tiles
-_case("halved", 1, 300, 999, 4, 2, 256, num_sms=30)                 # one epilogue group
-_case("halved", 1, 300, 999, 4, 2, 192, num_sms=30, dv=128)
-_case("halved", 2, 16, 1000, 32, 8, 128, num_sms=32)                # packed GQA rows
-_case("halved", 1, 500, 640, 6, 3, 96, num_sms=48, softcap=15.0)
-_case("halved", 1, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=40)  # 16 pairs
-_case("halved", 1, 300, 2000, 4, 2, 128, "bfloat16", True, num_sms=30)   # bottom-right, odd blocks
-_case("halved", 1, 1000, 1000, 4, 4, 64, "float16", True, num_sms=64)
-_case("halved", 1, 512, 4096, 8, 8, 128)                                 # 32 tiles on the real SMs
-_case("halved-off", 1, 500, 2100, 4, 2, 128, num_sms=40, halved_units="0")
+# a grid of at most half the SMs: every unit (tile, or causal pair) cut into P pieces on P x units
+# CTAs (tile_order.split_pieces; ``pieces``: the P the case must get): two pieces (stream_k_merge)
+# with odd key-block counts, key tails inside a piece, GQA and packed GQA, hd64 on 2 and 3
+# warpgroups, one epilogue group (D > 128), causal pairs (square, and fewer queries than keys),
+# softcap, fp16; more pieces (stream_k_merge_pieces) likewise; cases on the real SM count; one off
+_case("split", 1, 500, 2100, 4, 2, 128, num_sms=40, pieces=2)
+_case("split", 2, 300, 1500, 4, 4, 128, "float16", num_sms=48, pieces=2)
+_case("split", 1, 700, 1500, 4, 4, 64, num_sms=64, pieces=2)                 # 2 warpgroups, 128-row tiles
+_case("split", 1, 700, 1500, 4, 2, 64, num_sms=64, model_sms=1, pieces=2)    # 3 warpgroups, 192-row tiles
+_case("split", 1, 300, 999, 4, 2, 256, num_sms=30, pieces=2)                 # one epilogue group
+_case("split", 1, 300, 999, 4, 2, 192, num_sms=30, dv=128, pieces=2)
+_case("split", 2, 16, 1000, 32, 8, 128, num_sms=32, pieces=2)                # packed GQA rows
+_case("split", 1, 500, 640, 6, 3, 96, num_sms=48, softcap=15.0, pieces=2)
+_case("split", 1, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=40, pieces=2)  # 16 pairs
+_case("split", 1, 300, 2000, 4, 2, 128, "bfloat16", True, num_sms=30, pieces=2)   # bottom-right, odd blocks
+_case("split", 1, 1000, 1000, 4, 4, 64, "float16", True, num_sms=64, pieces=2)
+_case("split", 1, 128, 4000, 2, 2, 128, num_sms=40, pieces=4)                # key tail in the last piece
+_case("split", 1, 100, 9000, 4, 1, 128, num_sms=64, pieces=8)                # packed GQA rows
+_case("split", 1, 150, 5000, 2, 1, 64, num_sms=40, model_sms=1, pieces=5)    # 3 warpgroups
+_case("split", 1, 200, 6000, 2, 2, 64, "float16", num_sms=40, pieces=5)      # 2 warpgroups
+_case("split", 1, 200, 6000, 4, 2, 256, num_sms=30, pieces=3)                # one epilogue group
+_case("split", 1, 60, 3000, 3, 3, 96, "float16", num_sms=48, softcap=15.0, pieces=3)
+_case("split", 1, 70, 4000, 2, 2, 192, num_sms=40, dv=128, pieces=4)
+_case("split", 1, 512, 4096, 8, 8, 128, pieces=4)                            # the real SM count
+_case("split", 1, 128, 32768, 32, 8, 128, pieces=4)
+_case("split", 1, 1, 16384, 32, 8, 128, pieces=8)
+_case("split-off", 1, 500, 2100, 4, 2, 128, num_sms=40, split_units="0")
 # non-contiguous q / k / v (strides reach the kernel as runtime values)
 _case("strided", 2, 300, 517, 4, 2, 128, "bfloat16", False, strided=True)
 _case("strided", 2, 517, 300, 6, 3, 64, "bfloat16", True, "1", strided=True)
@@ -589,7 +599,8 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._O_SLOT_ENV = kw.pop("o_slot", "")
             sm90._WINDOW_ORDER_ENV = kw.pop("window_order", "")
             sm90._NARROW_LAST_ENV = kw.pop("narrow_last", "")
-            sm90._HALVED_UNITS_ENV = kw.pop("halved_units", "")
+            sm90._SPLIT_UNITS_ENV = kw.pop("split_units", "")
+            kw.pop("pieces", None)  # (the test checks the name's)
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
             sm90.FORWARD._entries.clear()
@@ -613,8 +624,9 @@ def _run_worker(out_path: str, group: str) -> None:
                 # tiles the launch cuts along the keys (stream-K); the streamk cases must cut some
                 rec["sk_tiles"] = (impl.stream_k_count(call.spec, q.device)
                                    if impl.name == "fast-sm90" and impl.stream_k(call.spec) else 0)
-                rec["sk_units"] = (impl.stream_k_units(call.spec)[0]
-                                   if impl.name == "fast-sm90" and impl.stream_k(call.spec) else 0)
+                sk_on = impl.name == "fast-sm90" and impl.stream_k(call.spec)
+                rec["sk_units"] = impl.stream_k_units(call.spec)[0] if sk_on else 0
+                rec["sk_pieces"] = impl.stream_k_plan(call.spec, q.device)[2] if sk_on else 0
                 rec["wg_key_bound"] = impl.name == "fast-sm90" and impl.wg_key_bound(call.spec)
                 rec["split_tail"] = impl.name == "fast-sm90" and impl.split_tail(call.spec)
                 rec["o_slot"] = impl.name == "fast-sm90" and impl.shared_o_slot(call.spec)
@@ -643,7 +655,7 @@ def _run_worker(out_path: str, group: str) -> None:
             f.flush()
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
         sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = sm90._PASS_EMPTY_WG_ENV = sm90._O_SLOT_ENV = ""
-        sm90._KEY_SPLIT_ENV = sm90._HALVED_UNITS_ENV = ""
+        sm90._KEY_SPLIT_ENV = sm90._SPLIT_UNITS_ENV = ""
         sm90._MODEL_SMS_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
@@ -723,9 +735,11 @@ def test_forward_matches_oracle(results, case):
         assert r["sk_tiles"] > 0, "no tile was cut: the stream-K path did not run"
     if name.startswith("streamk-off"):
         assert r["sk_tiles"] == 0
-    if name.startswith("halved-"):  # every unit cut in two (or, off, none)
+    if name.startswith("split-"):  # every unit cut into the case's pieces (or, off, none)
         assert r["sk_units"] > 0
-        assert r["sk_tiles"] == (0 if name.startswith("halved-off") else r["sk_units"])
+        assert r["sk_tiles"] == (0 if name.startswith("split-off") else r["sk_units"])
+        if not name.startswith("split-off"):
+            assert f"-pieces{r['sk_pieces']}" in name, f"cut into {r['sk_pieces']} pieces"
     if name.startswith("wgkb-"):  # the forced key bound reached the kernel
         assert r["wg_key_bound"] is name.endswith("wg_key_bound1")
     if name.startswith("oslot"):  # the shared O slot reached the kernel (or, off, did not)

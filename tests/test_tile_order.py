@@ -11,7 +11,7 @@ from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_
                                               paired_unit_blocks, paired_units, split_tail_groups,
                                               split_tail_plan, split_tail_slots, split_tail_tile,
                                               stream_k_grid, stream_k_piece, stream_k_tiles,
-                                              halved_units,
+                                              split_pieces,
                                               tile_share, varlen_paired_tile, varlen_paired_units,
                                               light_query_blocks, window_order_slots, window_order_tile)
 
@@ -305,9 +305,10 @@ def test_varlen_paired_order_balances_the_bench_documents():
 def _stream_k_schedule(num_tiles, num_ctas, blocks):
     """Per CTA: its work in key blocks (uncut tiles first, then its pieces), as the kernel walks
     it (FlashFwdSm90.item_coords), and a count of the pieces that cover each (tile, key block)."""
-    sk = (stream_k_tiles(num_tiles, min(num_tiles, num_ctas), blocks, 128, min_keys=0)
-          or halved_units(num_tiles, num_ctas, blocks, 128, min_keys=0))
-    num_ctas = stream_k_grid(num_tiles, num_ctas, sk)  # the launch's grid: 2 x tiles where halved
+    sk = stream_k_tiles(num_tiles, min(num_tiles, num_ctas), blocks, 128, min_keys=0)
+    pieces = 0 if sk else split_pieces(num_tiles, num_ctas, blocks, 128, min_keys=0)
+    sk = sk or (num_tiles if pieces else 0)
+    num_ctas = stream_k_grid(num_tiles, num_ctas, sk, pieces)  # the launch's: pieces x tiles where split
     dp_end = num_tiles - sk
     assert dp_end % num_ctas == 0  # the uncut tiles are whole rounds: the slots stay aligned
     cover, pieces, work = {}, {}, []
@@ -344,24 +345,33 @@ def test_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_once(num_t
         assert max(work) < -(-num_tiles // num_ctas) * blocks
 
 
-@pytest.mark.parametrize("num_tiles, num_sms, blocks", [
-    (64, 132, 64), (66, 132, 33), (32, 132, 256), (1, 132, 2), (7, 20, 17), (16, 32, 3), (5, 11, 128)])
-def test_halved_units_run_two_ctas_a_tile_each_on_half_its_keys(num_tiles, num_sms, blocks):
-    """A grid of at most half the SMs: every tile cut once, at its middle key block, on a grid of
-    two CTAs a tile (the kernel's merge meets exactly two pieces)."""
+@pytest.mark.parametrize("num_tiles, num_sms, blocks, want", [
+    (64, 132, 64, 2), (66, 132, 33, 2), (32, 132, 256, 4), (1, 132, 2, 2), (7, 20, 17, 2),
+    (16, 32, 3, 2), (5, 11, 128, 2), (8, 132, 256, 8), (40, 132, 64, 3), (10, 132, 19, 2), (3, 132, 40, 5)])
+def test_split_pieces_run_p_ctas_a_tile_each_on_a_share_of_its_keys(num_tiles, num_sms, blocks, want):
+    """A grid of at most half the SMs: every tile cut into P pieces of nearly equal key blocks
+    (none empty), on a grid of P CTAs a tile, CTA P t + p holding piece p of tile t (the kernel
+    derives the piece from the CTA and the tile)."""
     sk, cover, pieces, work, grid = _stream_k_schedule(num_tiles, num_sms, blocks)
-    assert sk == num_tiles and grid == 2 * num_tiles
+    assert sk == num_tiles and grid == want * num_tiles <= num_sms
     assert len(cover) == num_tiles * blocks and set(cover.values()) == {1}
-    assert set(pieces.values()) == {2} and len(pieces) == num_tiles
-    assert sorted(work) == sorted([blocks // 2, blocks - blocks // 2] * num_tiles)
+    assert set(pieces.values()) == {want} and len(pieces) == num_tiles
+    assert min(work) >= blocks // want and max(work) <= -(-blocks // want)
+    for c in range(grid):  # piece 0 of CTA c is tile c // P, its key blocks from c % P's share
+        t, start, end, valid = stream_k_piece(c, 0, grid, sk, blocks, max, min)
+        assert valid and t == c // want and start == (c % want) * blocks // want
 
 
-def test_halved_units_only_where_two_ctas_a_unit_fit():
-    assert halved_units(66, 132, 16, 128) == 0            # 2k keys: under STREAM_K_MIN_KEYS
-    assert halved_units(66, 132, 32, 128) == 66
-    assert halved_units(67, 132, 32, 128) == 0            # 134 CTAs: more than the SMs
-    assert halved_units(40, 132, 1, 128, min_keys=0) == 0  # one key block: nothing to halve
-    assert stream_k_grid(66, 132, 66) == 132 and stream_k_grid(66, 132, 0) == 66
+def test_split_pieces_only_where_two_ctas_a_unit_fit():
+    assert split_pieces(66, 132, 16, 128) == 0             # 2k keys: under STREAM_K_MIN_KEYS
+    assert split_pieces(66, 132, 32, 128) == 2
+    assert split_pieces(67, 132, 32, 128) == 0             # 134 CTAs: more than the SMs
+    assert split_pieces(40, 132, 1, 128, min_keys=0) == 0  # one key block: nothing to cut
+    assert split_pieces(8, 132, 256, 128, max_pieces=2) == 2
+    assert split_pieces(8, 132, 256, 128, pairs=True) == 2  # pairs: two pieces only
+    assert split_pieces(8, 132, 24, 128, min_keys=0) == 3   # a piece keeps SPLIT_MIN_PIECE_KEYS
+    assert stream_k_grid(66, 132, 66, 2) == 132 and stream_k_grid(66, 132, 0) == 66
+    assert stream_k_grid(8, 132, 8, 8) == 64
     # stream_k_tiles cuts only calls of more units than SMs, whose grid stays one CTA an SM
     assert stream_k_grid(200, 132, 200) == 132
 
@@ -383,9 +393,10 @@ def _paired_stream_k_schedule(num_m_blocks, num_bh, num_ctas, key_blocks):
     units = paired_units(num_m_blocks, num_bh)
     unit_blocks, fewest = paired_unit_blocks(num_m_blocks, key_blocks)
     assert fewest > 0
-    cut = (stream_k_tiles(units, min(units, num_ctas), unit_blocks, 128, min_keys=0)
-           or halved_units(units, num_ctas, unit_blocks, 128, min_keys=0))
-    grid = stream_k_grid(units, num_ctas, cut)
+    cut = stream_k_tiles(units, min(units, num_ctas), unit_blocks, 128, min_keys=0)
+    pieces = 0 if cut else split_pieces(units, num_ctas, unit_blocks, 128, min_keys=0, pairs=True)
+    cut = cut or (units if pieces else 0)
+    grid = stream_k_grid(units, num_ctas, cut, pieces)
     dp_end = 2 * (units - cut)
     assert dp_end % (2 * grid) == 0  # the uncut units are whole rounds: the slots stay aligned
     total = dp_end + 2 * STREAM_K_PIECES_PER_CTA * grid if cut else 2 * grid * -(-units // grid)
@@ -423,7 +434,7 @@ def _paired_stream_k_schedule(num_m_blocks, num_bh, num_ctas, key_blocks):
     (128, 16, 132, "diag"), (64, 32, 132, "diag"), (32, 64, 132, "diag"), (64, 64, 132, "diag"),
     (86, 32, 132, "wide"), (43, 64, 132, "wide"), (22, 128, 132, "wide"), (17, 40, 132, "diag"),
     (9, 7, 5, "wide"), (4, 33, 16, "offset"), (7, 3, 5, "offset"), (1, 300, 132, "diag"),
-    (32, 4, 132, "diag"), (8, 4, 40, "diag"), (9, 3, 40, "wide"), (3, 4, 30, "offset")])  # halved
+    (32, 4, 132, "diag"), (8, 4, 40, "diag"), (9, 3, 40, "wide"), (3, 4, 30, "offset")])  # cut in two
 def test_paired_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_once(
         num_m_blocks, num_bh, num_ctas, shape):
     """Units of (nearly) equal work: square causal tiles (diag), 192-row query tiles over 128-key
@@ -437,7 +448,8 @@ def test_paired_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_onc
     assert set(cover) == want and set(cover.values()) == {1}
     assert set(cut_pieces.values()) <= {2}  # a cut tile has two pieces: one merge
     total = sum(key_blocks(m) for m in range(num_m_blocks)) * num_bh
-    grid = stream_k_grid(paired_units(num_m_blocks, num_bh), num_ctas, cut)
+    units = paired_units(num_m_blocks, num_bh)
+    grid = stream_k_grid(units, num_ctas, cut, 2 if cut == units and 2 * units <= num_ctas else 0)
     # the busiest CTA carries the average work up to a unit's spread of work plus a key block;
     # without the cut it would carry a whole unit more than most (the last round)
     mid = num_m_blocks // 2

@@ -8,7 +8,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -121,6 +121,36 @@ def write_state(put, acc_O, row_max, row_sum) -> None:
         put(num_rows + r, row_sum[r])
     for i in range(cute.size(acc_O)):
         put(2 * num_rows + i, acc_O[i])
+
+
+@cute.jit
+def merge_states_in_order(ws: cute.Tensor, base: Int32, state_stride: Int32, value_stride: Int32,
+                          count: Int32, acc_O_mn: cute.Tensor, row_max: cute.Tensor,
+                          row_sum: cute.Tensor, scale_log2: Float32):
+    """This thread's online-softmax state made the merge of ``count`` states that threads wrote
+    for the same rows and columns, this thread's own among them (value i of state p at
+    ``ws[base + p * state_stride + i * value_stride]``, laid out as write_state does): the largest
+    max, then every state scaled to it and added in the order p = 0, 1, ..., products rounded
+    apart, so the bits depend on the states alone, not on which thread merges them."""
+    num_rows = cute.size(row_max)
+    for r in cutlass.range_constexpr(num_rows):
+        row_max[r] = -Float32.inf
+    for p in cutlass.range(count, unroll=1):
+        for r in cutlass.range_constexpr(num_rows):
+            row_max[r] = cute.arch.fmax(row_max[r], ws[base + p * state_stride + r * value_stride])
+    for r in cutlass.range_constexpr(num_rows):
+        row_sum[r] = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+            acc_O_mn[r, c] = Float32(0.0)
+    for p in cutlass.range(count, unroll=1):
+        at = base + p * state_stride
+        for r in cutlass.range_constexpr(num_rows):
+            # merge_scales' scale of state p against the merged max (0 for a row with no key)
+            c_p = merge_scales(row_max[r], ws[at + r * value_stride], scale_log2)[2]
+            row_sum[r] = row_sum[r] + mul_rn(ws[at + (num_rows + r) * value_stride], c_p)
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                i = 2 * num_rows + cute.crd2idx((r, c), acc_O_mn.layout)
+                acc_O_mn[r, c] = acc_O_mn[r, c] + mul_rn(ws[at + i * value_stride], c_p)
 
 
 def merge_twin_state(twin, acc_O_mn, row_max, row_sum, scale_log2) -> None:

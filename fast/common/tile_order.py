@@ -353,31 +353,42 @@ def stream_k_tiles(num_tiles, num_ctas, blocks_per_tile, tile_n, min_keys=STREAM
     return num_ctas + rem
 
 
-# -- a grid of at most half the SMs: every unit cut in two --------------------------------------
+# -- a grid of at most half the SMs: every unit cut into pieces ---------------------------------
 #
 # A call whose units (tiles, or pairs of the paired causal order) fill at most half of the SMs in
 # one round leaves the rest idle however its last round is cut: stream_k_tiles cuts nothing there.
 # Such a call (a few heads of short queries against long keys: b1 x 256 queries x 32k keys x 8
-# heads is 16 tiles on 132 SMs) instead runs on twice as many CTAs as it has units, two CTAs
-# per unit, each visiting half of its key blocks: the same stream-K pieces with G = 2 x units
-# (share c = key blocks [floor(c B / 2), floor((c + 1) B / 2)) of the U = units x B: CTAs 2u and
-# 2u + 1 split unit u at its middle key block and meet in stream_k_merge). Nothing else of the
-# grid changes, so the kernel tells this grid from stream_k_tiles' by its cut count alone:
-# stream_k_tiles cuts only calls of more units than CTAs.
-
-def halved_units(num_units, num_sms, blocks_per_unit, tile_n, min_keys=STREAM_K_MIN_KEYS):
-    """Units cut in two along the keys on a grid of 2 x units CTAs: all of them where twice the
-    units fit the SMs and a unit has two key blocks and ``min_keys`` keys, else 0. Host-side."""
-    if 2 * num_units <= num_sms and blocks_per_unit >= 2 and blocks_per_unit * tile_n >= min_keys:
-        return num_units
-    return 0
+# heads is 16 tiles on 132 SMs) instead runs on P CTAs a unit, each visiting 1 / P of its key
+# blocks: the same stream-K pieces with G = P x units (share c = key blocks
+# [floor(c B / P), floor((c + 1) B / P)) of the U = units x B: CTAs P u .. P u + P - 1 split unit
+# u and meet in the merge, stream_k_merge for two, stream_k_merge_pieces for more). Pairs of the
+# causal order are cut in two only (a unit's two tiles each cut at most once: one merge record
+# per unit). The launch passes the grid's CTAs as its SM count, and the kernel tells this grid
+# from stream_k_tiles' by its cut count alone: stream_k_tiles cuts only calls of more units
+# than SMs.
+SPLIT_MIN_PIECE_KEYS = 1024  # keys a piece visits at least beyond two pieces (a tile start and a merge each)
+SPLIT_MAX_PIECES = 8  # the last piece reads every record: its merge grows with the count
 
 
-def stream_k_grid(num_units, num_sms, cut):
-    """CTAs of a persistent stream-K launch: two per unit where every unit is halved
-    (halved_units), else one per SM or per unit. The kernel's launch computes the same."""
-    if cut == num_units and 2 * num_units <= num_sms:
-        return 2 * num_units
+def split_pieces(num_units, num_sms, blocks_per_unit, tile_n, min_keys=STREAM_K_MIN_KEYS,
+                 max_pieces=SPLIT_MAX_PIECES, pairs=False):
+    """Pieces each unit is cut into on a grid of pieces x units CTAs: 0 where twice the units do
+    not fit the SMs, a unit has fewer than two key blocks or ``min_keys`` keys; else 2 (pairs),
+    or as many as fit the SMs, up to ``max_pieces``, while a piece keeps SPLIT_MIN_PIECE_KEYS
+    (at least 2). Host-side."""
+    if 2 * num_units > num_sms or blocks_per_unit < 2 or blocks_per_unit * tile_n < min_keys:
+        return 0
+    if pairs:
+        return 2
+    by_keys = blocks_per_unit * tile_n // SPLIT_MIN_PIECE_KEYS
+    return max(2, min(num_sms // num_units, max_pieces, by_keys))
+
+
+def stream_k_grid(num_units, num_sms, cut, pieces=0):
+    """CTAs of a persistent stream-K launch: ``pieces`` a unit where every unit is cut
+    (split_pieces), else one per SM or per unit."""
+    if cut == num_units and pieces >= 2:
+        return pieces * num_units
     return min(num_units, num_sms)
 
 
@@ -389,7 +400,8 @@ def stream_k_piece(cta, piece, num_ctas, sk_tiles, blocks_per_tile, maximum, min
     share of the cut tiles (tile numbered within them, 0 .. sk_tiles - 1). The share is
     [c U / G, (c + 1) U / G) of the U = sk_tiles * blocks_per_tile key blocks; since
     sk_tiles >= G it holds at least blocks_per_tile of them, so a tile meets at most two shares
-    (one cut); with G = 2 x sk_tiles (halved_units) tile t is shares 2t and 2t + 1 exactly. Plain integer arithmetic (``maximum`` / ``minimum``: max / min, or cutlass.max /
+    (one cut); with G = P x sk_tiles (split_pieces) tile t is shares P t .. P t + P - 1
+    exactly (each of them non-empty while the tile has P key blocks). Plain integer arithmetic (``maximum`` / ``minimum``: max / min, or cutlass.max /
     cutlass.min when the kernel traces it with Int32 operands)."""
     units = sk_tiles * blocks_per_tile
     lo = cta * units // num_ctas

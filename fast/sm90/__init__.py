@@ -32,7 +32,7 @@ from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
 from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
                                               STREAM_K_MIN_KEYS_NARROW, heads_per_section,
                                               paired_unit_blocks, paired_units, split_tail_plan,
-                                              stream_k_tiles, halved_units)
+                                              stream_k_tiles, split_pieces, stream_k_grid)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -57,8 +57,9 @@ _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm
 _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
-# "0": a grid of at most half the SMs keeps one CTA per unit (FastSm90Forward.stream_k_plan)
-_HALVED_UNITS_ENV = os.environ.get("DUALATTN_SM90_HALVED_UNITS", "")
+# a grid of at most half the SMs (FastSm90Forward.stream_k_plan): "0" keeps one CTA per unit,
+# a number caps the pieces a unit is cut into (tile_order.SPLIT_MAX_PIECES by default)
+_SPLIT_UNITS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_UNITS", "")
 _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forward.bit_mask
 _TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
 _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs
@@ -965,21 +966,28 @@ class FastSm90Forward:
         (tile_order.STREAM_K_MIN_KEYS_NARROW); pairs and wider heads from 4k."""
         return spec.head_dim <= 128 and not cls.paired(spec)
 
-    def stream_k_plan(self, spec, device) -> Tuple[int, int]:
-        """(cut units, key blocks per unit) of a stream-K call, (0, 0) where nothing is cut
-        (tile_order.stream_k_tiles, on this device's SMs; stream_k_units). From the spec's
-        shapes: the launch memo (_entry) keeps it."""
-        if not self._stream_k_order(spec):
-            return 0, 0
+    def stream_k_plan(self, spec, device) -> Tuple[int, int, int, int]:
+        """(cut units, key blocks per unit, pieces a unit, CTAs of the grid) of a stream-K call:
+        the last two rounds' units cut in two (tile_order.stream_k_tiles, pieces 0), or on a
+        grid of at most half this device's SMs every unit cut into pieces on that many CTAs a
+        unit (tile_order.split_pieces); (0, 0, 0, grid) where nothing is cut (stream_k_units).
+        From the spec's shapes: the launch memo (_entry) keeps it."""
         units, blocks = self.stream_k_units(spec)
-        if blocks == 0:
-            return 0, 0
-        num_sms, tile_n = _num_sms(device), self.config(spec)[1]
+        num_sms = _num_sms(device)
+        none = (0, 0, 0, min(units, num_sms))
+        if not self._stream_k_order(spec) or blocks == 0:
+            return none
+        tile_n = self.config(spec)[1]
         min_keys = _stream_k_min_keys(self._stream_k_narrow(spec))
         cut = stream_k_tiles(units, min(units, num_sms), blocks, tile_n, min_keys)
-        if not cut and _HALVED_UNITS_ENV != "0":  # a grid of at most half the SMs: every unit in two
-            cut = halved_units(units, num_sms, blocks, tile_n, min_keys)
-        return (cut, blocks) if cut else (0, 0)
+        pieces = 0
+        if not cut and _SPLIT_UNITS_ENV != "0":
+            pieces = split_pieces(units, num_sms, blocks, tile_n, min_keys, pairs=self.paired(spec),
+                                  **({"max_pieces": int(_SPLIT_UNITS_ENV)} if _SPLIT_UNITS_ENV else {}))
+            cut = units if pieces else 0
+        if not cut:
+            return none
+        return cut, blocks, pieces, stream_k_grid(units, num_sms, cut, pieces)
 
     @classmethod
     def paired_key_blocks(cls, spec):
@@ -1018,11 +1026,12 @@ class FastSm90Forward:
         the allocator is stream-ordered). The counters start at zero and the kernel leaves them
         at zero, so they are kept per (device, stream) and reused (streams never share them);
         during a CUDA graph capture they are made zero in the graph instead (a memset node)."""
-        cut, unit_blocks, groups, paired = plan
+        cut, unit_blocks, pieces, _, groups, paired = plan
         if cut == 0:  # (no_cut_fields, without asking the spec again)
             return (0, 0, 0) + ((0,) if paired else ())
-        ws = torch.empty(cut * groups * 128 * (spec.head_dim_v // 2 + 4), dtype=torch.float32,
-                         device=device)
+        # a record per cut unit and group; beyond two pieces, one per piece (stream_k_merge_pieces)
+        records = cut * groups * (pieces if pieces > 2 else 1)
+        ws = torch.empty(records * 128 * (spec.head_dim_v // 2 + 4), dtype=torch.float32, device=device)
         n_counters = cut * groups
         if torch.cuda.is_current_stream_capturing():
             counters = torch.zeros(n_counters, dtype=torch.int32, device=device)
@@ -1166,8 +1175,9 @@ class FastSm90Forward:
         return t.contiguous() if not t.is_contiguous() else t.clone()
 
     def _entry(self, spec, device):
-        """(compiled fn, schema.pack, runtime scalars + num_sms, stream-K plan: (cut units, key
-        blocks per unit, tile_m / 64, paired) or None without stream-K) for a spec on a device;
+        """(compiled fn, schema.pack, runtime scalars + the grid's CTAs, stream-K plan: (cut
+        units, key blocks per unit, pieces, grid, tile_m / 64, paired; stream_k_plan) or None
+        without stream-K) for a spec on a device;
         memoised per (spec, device) so a repeated call does no key building, device queries or
         stream-K planning."""
         ek = (spec, device.index)
@@ -1177,9 +1187,10 @@ class FastSm90Forward:
         arch = target_arch(dispatch.device_arch(device.index or 0))
         key = self.compile_key(spec, arch)
         fn = self.cache.get(key, lambda: self.compile_for(spec, arch))
-        tail = self.scalar_fields(spec, _num_sms(device))
         sk_plan = ((*self.stream_k_plan(spec, device), self.config(spec)[0] // 64, self.paired(spec))
                    if self.stream_k(spec) else None)
+        # the grid's CTAs: the SMs, or with every unit cut pieces x units (FlashFwdSm90.__call__)
+        tail = self.scalar_fields(spec, sk_plan[3] if sk_plan is not None and sk_plan[2] else _num_sms(device))
         hit = (DirectLauncher(fn), self.arg_schema(spec).pack, tail, sk_plan)
         if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
             self._entries.clear()

@@ -47,7 +47,7 @@ from cutlass.tensor_utils import LayoutEnum
 from cutlass import Boolean
 
 from dualattn.fast.common.codegen import per_use_i32, trace_registers
-from dualattn.fast.common.softmax import merge_twin_state, tree_reduce, write_state
+from dualattn.fast.common.softmax import merge_states_in_order, merge_twin_state, tree_reduce, write_state
 from dualattn.fast.common.block_info import (block_needs_mask, csr_block_at, csr_row, masked_last_groups,
                                              masked_last_visit)
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
@@ -562,9 +562,10 @@ class FlashFwdSm90:
                 units = paired_units(num_m_blocks, cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]))
             grid_x = cutlass.min(units, num_sms)
             if const_expr(self.stream_k):
-                # every unit halved (tile_order.halved_units, stream_k_grid): two CTAs a unit
+                # every unit cut (tile_order.split_pieces): the launch passes num_sms = CTAs of
+                # the grid, pieces x units (stream_k_grid)
                 if (sk[2] == units) & (2 * units <= num_sms):
-                    grid_x = 2 * units
+                    grid_x = num_sms
             grid = (grid_x, 1, 1)
         # varlen stores a sequence's last, partial tile with row-predicated stores (a TMA store
         # writes whole tiles, past the sequence's end into the next one): it also gets the plain
@@ -1469,6 +1470,12 @@ class FlashFwdSm90:
          offset_q, cut_i, sk_slot) = (Int32(0),) * len(TILE_INFO_FIELDS)
         active = Boolean(True)
         o_turns = Int32(0)  # shared_o_slot: this warpgroup's epilogues so far
+        # pieces of a cut tile: 2, or on a grid of that many CTAs a tile (tile_order.split_pieces:
+        # every tile cut, more CTAs than tiles) gx / tiles
+        sk_pieces = Int32(2)
+        if const_expr(self.stream_k and not self.paired):
+            if sk[2] > 0:
+                sk_pieces = cutlass.max(cute.arch.grid_dim()[0] // sk[2], 2)
         more = tile < total
         if const_expr(self.tile_info):
             (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, seqlen_k,
@@ -1639,9 +1646,15 @@ class FlashFwdSm90:
                     # a cut tile's piece: the one finishing second merges both and stores the tile
                     finish = stores
                     if cut:
-                        finish = self.stream_k_merge(sk, sk_slot, acc_O, acc_O_mn, row_max, row_sum,
-                                                     softmax_scale_log2, tidx, wg, epi_bar, epi_threads,
-                                                     sk_flag)
+                        if sk_pieces > 2:  # CTA pieces * slot + p holds piece p of tile slot
+                            finish = self.stream_k_merge_pieces(
+                                sk, sk_slot, cute.arch.block_idx()[0] - sk_pieces * sk_slot, sk_pieces,
+                                acc_O, acc_O_mn, row_max, row_sum, softmax_scale_log2, tidx, wg, epi_bar,
+                                epi_threads, sk_flag)
+                        else:
+                            finish = self.stream_k_merge(sk, sk_slot, acc_O, acc_O_mn, row_max, row_sum,
+                                                         softmax_scale_log2, tidx, wg, epi_bar, epi_threads,
+                                                         sk_flag)
                     if finish:
                         self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
                                       tScS_mn, tiled_copy_O, sO_mn, softmax_scale_log2, m_block,
@@ -1737,6 +1750,46 @@ class FlashFwdSm90:
             cute.arch.fence_acq_rel_gpu()
             merge_twin_state(lambda i: ws[base + i * epi_threads], acc_O_mn, row_max, row_sum, scale_log2)
         return second
+
+    @cute.jit
+    def stream_k_merge_pieces(self, sk, slot, piece, pieces, acc_O, acc_O_mn, row_max, row_sum,
+                              scale_log2, tidx, wg, epi_bar, epi_threads, sk_flag):
+        """Piece ``piece`` of the ``pieces`` (> 2) of a cut tile meets the others (a grid of
+        ``pieces`` CTAs a tile, tile_order.split_pieces); True for the last to arrive, which then
+        holds the whole tile's online-softmax state and stores it.
+
+        Per epilogue group (as stream_k_merge), ``pieces`` records and the counter
+        ``slot * groups + group`` (zero before, zero again after). Every piece writes its state
+        to its own record (write_state), fences, the group syncs, and its first thread adds 1
+        (acq_rel) and shares the old value through shared memory. The piece that read
+        ``pieces - 1`` came last: every other record was written before its writer's add, so
+        it zeroes the counter (no one touches it after), fences, and merges the records in
+        piece order (merge_states_in_order: the same bits whichever piece came last). No piece
+        waits for another: no deadlock, whatever the order the CTAs run in."""
+        num_rows = cute.size(row_max)
+        groups = self.num_mma_wg if const_expr(self.wg_epilogue) else 1
+        group = wg if const_expr(self.wg_epilogue) else 0
+        ws, counters = sk[0], sk[1]
+        gt = tidx % epi_threads
+        record = slot * groups + group
+        counter = counters.iterator + record
+        state_stride = (2 * num_rows + cute.size(acc_O)) * epi_threads
+        base = record * pieces * state_stride + gt
+        own = base + piece * state_stride
+        write_state(lambda i, x: ws.__setitem__(own + i * epi_threads, x), acc_O, row_max, row_sum)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+        if gt == 0:
+            sk_flag[group] = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
+        last = sk_flag[group] == pieces - 1
+        if last:
+            if gt == 0:
+                cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
+            cute.arch.fence_acq_rel_gpu()
+            merge_states_in_order(ws, base, state_stride, epi_threads, pieces, acc_O_mn, row_max,
+                                  row_sum, scale_log2)
+        return last
 
     @cute.jit
     def key_split_tile(self, m_block, seqlen_q, n_blocks, cut):
