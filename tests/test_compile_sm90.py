@@ -678,6 +678,35 @@ def test_hd64_warpgroup_rules(monkeypatch):
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
+def test_short_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
+    """Causal calls of at most 64 queries whose tiles fit half of 132 SMs run the persistent grid
+    in the plain order (not pairs), with the stream-K merge compiled in, and each tile is cut
+    into pieces along the keys (tile_order.split_pieces); more tiles, more queries, a window or
+    varlen keep the pairs / one CTA per tile. The plain-order causal config compiles for sm_90a
+    with its merge's atomics."""
+    import dualattn.fast.sm90 as sm90
+    monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "132")
+    monkeypatch.setattr(sm90, "_NUM_SMS_ENV", "132")  # (the launch's SM count: no GPU to ask)
+
+    def spec(b, sq, sk, hq=32, hkv=8, d=128, **kw):
+        return AttentionSpec("batched", b, sq, sk, hq, hkv, d, d, torch.bfloat16, "cuda", causal=True,
+                             return_lse=True, **kw)
+    F = FastSm90Forward()
+    chunk = spec(1, 64, 32768)  # packed GQA: 2 query blocks x 8 KV heads
+    assert sm90._causal_split_grid(chunk) and F.config(chunk)[5] and not F.paired(chunk)
+    assert F.stream_k(chunk) and F.stream_k_plan(chunk, torch.device("cuda")) == (16, 256, 8, 128)
+    decode = spec(4, 1, 8192, d=64)
+    assert F.stream_k_plan(decode, torch.device("cuda")) == (32, 64, 4, 128)
+    for other in (spec(64, 1, 8192), spec(1, 65, 32768), spec(1, 64, 32768, window=(1000, 0)),
+                  spec(1, 64, 32, hq=8, hkv=8)):
+        assert not sm90._causal_split_grid(other)
+    assert F.paired(spec(64, 1, 8192)) and not F.config(spec(1, 65, 32768))[5]
+    ptx = F.compile_only(chunk, arch=90).__ptx__
+    assert any(".acq_rel." in ln and "atom." in ln for ln in ptx.splitlines())
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
 def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
     32 / 160 per producer / consumer thread, an epilogue per warp (warp syncs, no named

@@ -261,6 +261,30 @@ def _causal_3wg_fills_grid(spec) -> bool:
     return pairs >= rounds * _model_sm_count()
 
 
+CAUSAL_SPLIT_MAX_SEQLEN_Q = 64  # see _causal_split_grid
+# "0": short causal chunks keep the pairs / one CTA per tile (_causal_split_grid; comparisons)
+_CAUSAL_SPLIT_ENV = os.environ.get("DUALATTN_SM90_CAUSAL_SPLIT", "")
+
+
+def _causal_split_grid(spec) -> bool:
+    """Batched causal calls (no window, key ranges or CSR) of at most CAUSAL_SPLIT_MAX_SEQLEN_Q
+    queries against at least as many keys, whose 128-row tiles (GQA heads packed) fit at most
+    half the SMs: a chunk of a long prompt, or decoding through attention(). Every tile's rows
+    lie within the last 64 queries, so it visits all of the key blocks but at most one (its
+    rows' causal limit is under 64 keys from the last): tiles of equal work, which run on the
+    persistent grid in the plain order (not pairs), each cut into pieces along the keys
+    (tile_order.split_pieces: a piece holds at least SPLIT_MIN_PIECE_KEYS keys, so the one
+    short block never empties one)."""
+    if not (_CAUSAL_SPLIT_ENV != "0" and spec.mode == "batched" and spec.causal and spec.window == (-1, -1)
+            and not spec.has_key_ranges and not spec.has_block_sparse
+            and spec.seqlen_q <= CAUSAL_SPLIT_MAX_SEQLEN_Q and spec.seqlen_k >= spec.seqlen_q):
+        return False
+    g = spec.num_heads_q // max(spec.num_heads_kv, 1)
+    g = g if g >= 2 and not g & (g - 1) and 128 % g == 0 and _PACK_GQA_ENV != "0" else 1
+    units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
+    return 2 * units <= _model_sm_count()
+
+
 def _two_wg_tiles_fit_one_round(spec) -> bool:
     """Batched non-causal hd64 whose 128-row tiles (query heads unpacked) all run at once on the
     SMs: 192-row tiles then only make every CTA's one tile longer (no round is saved, and a
@@ -444,7 +468,8 @@ class FastSm90Forward:
         masked_right = spec.causal or spec.window[1] >= 0
         persistent = (not (masked_right or spec.has_key_ranges or spec.has_block_sparse)
                       or (_plain_hd64(spec) and spec.seqlen_q < CAUSAL_PER_TILE_MIN_SEQLEN)
-                      or _short_masked_tiles(spec) or _persistent_csr(spec)) \
+                      or _short_masked_tiles(spec) or _persistent_csr(spec)
+                      or _causal_split_grid(spec)) \
             if _PERSISTENT_ENV == "" else _PERSISTENT_ENV != "0"
         separate_o = spec.head_dim <= 128  # Q + O + stages * (K + V) fits up to D = 128
         pingpong = spec.head_dim <= 128
@@ -730,7 +755,8 @@ class FastSm90Forward:
         masked_right = spec.causal or spec.window[1] >= 0
         return (persistent and masked_right and not spec.has_key_ranges
                 and not spec.has_block_sparse and _PAIRED_ENV != "0"
-                and (spec.mode != "varlen" or _paired_varlen(spec)) and not cls.window_order(spec))
+                and (spec.mode != "varlen" or _paired_varlen(spec)) and not cls.window_order(spec)
+                and not _causal_split_grid(spec))
 
     @classmethod
     def window_order(cls, spec) -> bool:
@@ -938,7 +964,7 @@ class FastSm90Forward:
         plain = not spec.causal and spec.window == (-1, -1)
         return bool(cls.config(spec)[5] and spec.mode == "batched" and not spec.has_key_ranges
                     and not spec.has_block_sparse and _STREAM_K_ENV != "0"
-                    and (plain or (cls.paired(spec) and spec.window[0] < 0)))
+                    and (plain or (cls.paired(spec) and spec.window[0] < 0) or _causal_split_grid(spec)))
 
     @classmethod
     def stream_k_units(cls, spec) -> Tuple[int, int]:
@@ -980,6 +1006,8 @@ class FastSm90Forward:
         tile_n = self.config(spec)[1]
         min_keys = _stream_k_min_keys(self._stream_k_narrow(spec))
         cut = stream_k_tiles(units, min(units, num_sms), blocks, tile_n, min_keys)
+        if _causal_split_grid(spec):  # its pieces are a tile's share of whole (split_pieces) only
+            cut = 0
         pieces = 0
         if not cut and _SPLIT_UNITS_ENV != "0":
             pieces = split_pieces(units, num_sms, blocks, tile_n, min_keys, pairs=self.paired(spec),

@@ -388,10 +388,11 @@ class FlashFwdSm90:
         # stream-K tail (fast/common/tile_order.stream_k_tiles): the persistent grid's last two
         # rounds cut along the keys, a cut tile's two pieces merged by the one finishing second
         # (stream_k_merge). Needs units of (nearly) equal work: the tiles of calls without causal /
-        # window bounds, or the paired order's pairs (paired_item_coords); not key ranges, CSR or
-        # varlen. The launch passes how many tiles (units) are cut, 0 for none
-        assert not stream_k or (persistent and not (varlen or self.dynamic_mask)
-                                and (paired or not (self.mask_right or self.mask_left)))
+        # window bounds, or the paired order's pairs (paired_item_coords), or causal tiles that
+        # all visit every key block but at most one, cut whole into pieces (the host's
+        # _causal_split_grid); not key ranges, CSR or varlen. The launch passes how many tiles
+        # (units) are cut, 0 for none
+        assert not stream_k or (persistent and not (varlen or self.dynamic_mask or self.mask_left))
         self.stream_k = stream_k
         # each consumer warpgroup stops at its own rows' last visible key block: with a right
         # bound the tile's top key blocks can be hidden from the first warpgroup's 64 rows (at
