@@ -679,7 +679,7 @@ def test_hd64_warpgroup_rules(monkeypatch):
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
 def test_short_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
-    """Causal calls of at most 64 queries whose tiles fit half of 132 SMs run the persistent grid
+    """Causal calls of at most 512 queries and 2k keys whose tiles fit half of 132 SMs run the persistent grid
     in the plain order (not pairs), with the stream-K merge compiled in, and each tile is cut
     into pieces along the keys (tile_order.split_pieces); more tiles, more queries, a window or
     varlen keep the pairs / one CTA per tile. The plain-order causal config compiles for sm_90a
@@ -697,10 +697,11 @@ def test_short_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
     assert F.stream_k(chunk) and F.stream_k_plan(chunk, torch.device("cuda")) == (16, 256, 8, 128)
     decode = spec(4, 1, 8192, d=64)
     assert F.stream_k_plan(decode, torch.device("cuda")) == (32, 64, 4, 128)
-    for other in (spec(64, 1, 8192), spec(1, 65, 32768), spec(1, 64, 32768, window=(1000, 0)),
-                  spec(1, 64, 32, hq=8, hkv=8)):
+    assert F.stream_k_plan(spec(1, 128, 32768), torch.device("cuda")) == (32, 256, 4, 128)
+    for other in (spec(64, 1, 8192), spec(1, 513, 32768), spec(1, 64, 32768, window=(1000, 0)),
+                  spec(1, 64, 2047, hq=8, hkv=8), spec(1, 512, 8192)):  # (the last: 128 tiles)
         assert not sm90._causal_split_grid(other)
-    assert F.paired(spec(64, 1, 8192)) and not F.config(spec(1, 65, 32768))[5]
+    assert F.paired(spec(64, 1, 8192)) and not F.config(spec(1, 513, 32768))[5]
     ptx = F.compile_only(chunk, arch=90).__ptx__
     assert any(".acq_rel." in ln and "atom." in ln for ln in ptx.splitlines())
 

@@ -29,7 +29,7 @@ import torch
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
-from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
+from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_KEYS, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
                                               STREAM_K_MIN_KEYS_NARROW, heads_per_section,
                                               paired_unit_blocks, paired_units, split_tail_plan,
                                               stream_k_tiles, split_pieces, stream_k_grid)
@@ -261,26 +261,28 @@ def _causal_3wg_fills_grid(spec) -> bool:
     return pairs >= rounds * _model_sm_count()
 
 
-CAUSAL_SPLIT_MAX_SEQLEN_Q = 64  # see _causal_split_grid
+CAUSAL_SPLIT_MAX_SEQLEN_Q = 512  # see _causal_split_grid
+assert CAUSAL_SPLIT_MAX_SEQLEN_Q < SPLIT_MIN_PIECE_KEYS
 # "0": short causal chunks keep the pairs / one CTA per tile (_causal_split_grid; comparisons)
 _CAUSAL_SPLIT_ENV = os.environ.get("DUALATTN_SM90_CAUSAL_SPLIT", "")
 
 
 def _causal_split_grid(spec) -> bool:
     """Batched causal calls (no window, key ranges or CSR) of at most CAUSAL_SPLIT_MAX_SEQLEN_Q
-    queries against at least as many keys, whose 128-row tiles (GQA heads packed) fit at most
-    half the SMs: a chunk of a long prompt, or decoding through attention(). Every tile's rows
-    lie within the last 64 queries, so it visits all of the key blocks but at most one (its
-    rows' causal limit is under 64 keys from the last): tiles of equal work, which run on the
-    persistent grid in the plain order (not pairs), each cut into pieces along the keys
-    (tile_order.split_pieces: a piece holds at least SPLIT_MIN_PIECE_KEYS keys, so the one
-    short block never empties one)."""
+    queries against at least twice SPLIT_MIN_PIECE_KEYS keys, whose 128-row tiles (GQA heads
+    packed) fit at most half the SMs: a chunk of a long prompt, or decoding through attention().
+    A tile's rows lie within the last seqlen_q queries, so the causal limit hides fewer than
+    seqlen_q < SPLIT_MIN_PIECE_KEYS of its keys from all of them: tiles of nearly equal work,
+    which run on the persistent grid in the plain order (not pairs), each cut into pieces along
+    the keys (tile_order.split_pieces; a piece holds SPLIT_MIN_PIECE_KEYS keys at least, so the
+    hidden keys never empty one: a piece that never arrived would leave its tile unmerged)."""
     if not (_CAUSAL_SPLIT_ENV != "0" and spec.mode == "batched" and spec.causal and spec.window == (-1, -1)
             and not spec.has_key_ranges and not spec.has_block_sparse
-            and spec.seqlen_q <= CAUSAL_SPLIT_MAX_SEQLEN_Q and spec.seqlen_k >= spec.seqlen_q):
+            and spec.seqlen_q <= CAUSAL_SPLIT_MAX_SEQLEN_Q and spec.seqlen_k >= 2 * SPLIT_MIN_PIECE_KEYS):
         return False
     g = spec.num_heads_q // max(spec.num_heads_kv, 1)
-    g = g if g >= 2 and not g & (g - 1) and 128 % g == 0 and _PACK_GQA_ENV != "0" else 1
+    g = g if (g >= 2 and not g & (g - 1) and 128 % g == 0 and _PACK_GQA_ENV != "0"
+              and spec.seqlen_q <= PACK_GQA_MAX_SEQLEN_Q) else 1  # (pack_gqa's rule, on 128 rows)
     units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
     return 2 * units <= _model_sm_count()
 
