@@ -67,7 +67,7 @@ class NotApplicable(Exception):
 @dataclass(frozen=True)
 class Cell:
     kind: str                 # fwd | bwd | fwdbwd | decode
-    group: str                # dense | gqa | window | docs | sparse | decode (one plot panel per group/hd)
+    group: str                # dense | gqa | window | docs | sparse | chunk | decode (one plot panel per group/hd)
     batch: int
     seqlen_q: int
     seqlen_k: int
@@ -88,7 +88,9 @@ class Cell:
         s = f"{self.kind:6s} {self.group:6s} hd{self.head_dim:<3d} "
         if self.kind == "decode":
             return s + f"b{self.batch} kv{_k(self.seqlen_k)} h{self.heads_q}/{self.heads_kv}"
-        s += f"b{self.batch} s{_k(self.seqlen_q)} h{self.heads_q}"
+        s += f"b{self.batch} s{_k(self.seqlen_q)}"
+        s += f" kv{_k(self.seqlen_k)}" if self.seqlen_k != self.seqlen_q else ""
+        s += f" h{self.heads_q}"
         if self.heads_kv != self.heads_q:
             s += f"/{self.heads_kv}"
         if self.causal:
@@ -107,7 +109,9 @@ class Cell:
         mask = {"dense": "causal" if self.causal else "no mask",
                 "gqa": f"GQA {self.heads_q}/{self.heads_kv}" + (" causal" if self.causal else ""),
                 "window": f"window {self.window[0]}" + (" causal" if self.causal else ""),
-                "docs": f"{self.docs} packed docs", "sparse": f"block-sparse {self.density:g}"}[self.group]
+                "docs": f"{self.docs} packed docs", "sparse": f"block-sparse {self.density:g}",
+                "chunk": f"GQA {self.heads_q}/{self.heads_kv} kv{_k(self.seqlen_k)}"
+                + (" causal" if self.causal else "")}[self.group]
         return f"{self.kind} hd{self.head_dim} {mask}"
 
     def x_label(self) -> str:
@@ -133,6 +137,11 @@ def standard_matrix(kinds: Sequence[str] = KINDS, dtype: str = "bfloat16") -> Li
         cells.append(Cell(kind, "window", 1, 16384, 16384, 16, 16, 128, True, (1024, 0), dtype=dtype))
         cells.append(Cell(kind, "docs", 1, 16384, 16384, 16, 16, 128, True, docs=10, dtype=dtype))
         cells.append(Cell(kind, "sparse", 2, 8192, 8192, 16, 16, 128, False, density=0.25, dtype=dtype))
+    if "fwd" in kinds:
+        # a chunk of a prompt against its long context (batch 1, bottom-right causal): grids of
+        # fewer tiles than SMs, where a kernel must cut the keys to fill the GPU
+        for sq, causal in ((16, True), (128, True), (256, True), (128, False)):
+            cells.append(Cell("fwd", "chunk", 1, sq, 32768, 32, 8, 128, causal, dtype=dtype))
     if "decode" in kinds:
         for L in (8192, 16384, 32768, 65536, 131072):
             for b in (1, 8, 64):
@@ -406,11 +415,16 @@ def sdpa_runner(backend_name: str, inp: Inputs) -> Runner:
                "sdpa-math": SDPBackend.MATH}[backend_name]
     gqa = c.heads_q != c.heads_kv
     causal = c.causal and c.kind != "decode"
+    # is_causal aligns the diagonal top-left; fewer queries than keys need the bottom-right mask
+    lower_right = None
+    if causal and c.seqlen_q != c.seqlen_k:
+        from torch.nn.attention.bias import causal_lower_right
+        lower_right, causal = causal_lower_right(c.seqlen_q, c.seqlen_k), False
 
     def fwd(q, k, v):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal, enable_gqa=gqa)
+                                                  attn_mask=lower_right, is_causal=causal, enable_gqa=gqa)
     leaves = inp.leaves() if c.kind in ("bwd", "fwdbwd") else (inp.q, inp.k, inp.v)
     return _autograd_runner(fwd, leaves, inp.dout, c.kind, _bhsd_to_bshd)
 
@@ -941,7 +955,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {','.join(PEERS)}, or 'none'")
     p.add_argument("--hdim", default=None, help="only these head dims (comma list)")
     p.add_argument("--seqlen", default=None, help="only these sequence lengths / cache lengths (e.g. 2k,16k)")
-    p.add_argument("--group", default=None, help="only these groups: dense,gqa,window,docs,sparse,decode")
+    p.add_argument("--group", default=None, help="only these groups: dense,gqa,window,docs,sparse,chunk,decode")
     p.add_argument("--causal", choices=("yes", "no"), default=None, help="only causal / only non-causal cells")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement (at most)")
