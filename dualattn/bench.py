@@ -486,7 +486,9 @@ def fa4_available() -> Optional[str]:
         return f"{type(e).__name__}: {e}"
 
 
-def fa4_runner(inp: Inputs) -> Runner:
+def fa4_runner(inp: Inputs, num_splits: int = 1) -> Runner:
+    """FA4's forward; ``num_splits``: its split along the keys (1: none, its default; 0: its own
+    heuristic picks, the peer fa4-split)."""
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     c = inp.cell
@@ -504,8 +506,10 @@ def fa4_runner(inp: Inputs) -> Runner:
                                           max_seqlen_k=inp.max_doc, causal=causal)[0]
         to_fa = lambda o: o.view(inp.q.shape)  # noqa: E731
     else:
+        split = {} if num_splits == 1 else {"num_splits": num_splits}
+
         def fwd(q, k, v):
-            return flash_attn_func(q, k, v, causal=causal, window_size=win)[0]
+            return flash_attn_func(q, k, v, causal=causal, window_size=win, **split)[0]
         to_fa = lambda o: o  # noqa: E731
     leaves = inp.leaves() if c.kind in ("bwd", "fwdbwd") else (inp.q, inp.k, inp.v)
     return _autograd_runner(fwd, leaves, inp.dout, c.kind, to_fa)
@@ -516,11 +520,13 @@ def peer_runner(name: str, inp: Inputs) -> Runner:
         return sdpa_runner(name, inp)
     if name == "flex":
         return flex_runner(inp)
-    if name == "fa4":
+    if name in ("fa4", "fa4-split"):
         why = fa4_available()
         if why:
             raise NotApplicable(f"flash_attn.cute does not import ({why})")
-        return fa4_runner(inp)
+        if name == "fa4-split" and (inp.cell.docs or inp.cell.kind != "fwd"):
+            raise NotApplicable("fa4-split: batched forward only")
+        return fa4_runner(inp, 0 if name == "fa4-split" else 1)
     raise ValueError(f"unknown peer {name!r}")
 
 
@@ -952,7 +958,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", default=",".join(KINDS), help="comma list of fwd,bwd,fwdbwd,decode (default: all)")
     p.add_argument("--impls", default=None, help="dualattn implementations, by name or family (comma list; "
                                                  "default: every one except the torch oracle)")
-    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {','.join(PEERS)}, or 'none'")
+    p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {','.join(PEERS)}, or 'none' "
+                   "(fa4-split: FA4 with its own split along the keys, num_splits=0)")
     p.add_argument("--hdim", default=None, help="only these head dims (comma list)")
     p.add_argument("--seqlen", default=None, help="only these sequence lengths / cache lengths (e.g. 2k,16k)")
     p.add_argument("--group", default=None, help="only these groups: dense,gqa,window,docs,sparse,chunk,decode")
@@ -994,7 +1001,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     cells = select_cells(args)
     peers = [] if args.peers.strip().lower() == "none" else _csv(args.peers)
-    bad = [p for p in peers if p not in PEERS + ("sdpa-math",)]
+    bad = [p for p in peers if p not in PEERS + ("sdpa-math", "fa4-split")]
     if bad:
         raise SystemExit(f"--peers: unknown {bad}; choose from {', '.join(PEERS)} or 'none'")
     if args.list:
