@@ -1702,6 +1702,18 @@ class FlashFwdSm90:
         elif tidx % epi_threads < 32:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
+    def merge_record(self, sk, slot, acc_O, row_max, tidx, wg, epi_threads):
+        """(workspace, counter pointer, record, epilogue group, thread in the group, values of a
+        record) of cut tile ``slot`` for this thread's epilogue group (this warpgroup with
+        wg_epilogue, else all consumers): record ``slot * groups + group``, a record holding
+        write_state's values of every thread of the group, value-major (a warp's 32 values of
+        one index are 128 contiguous bytes). Traced inline (no control flow)."""
+        groups = self.num_mma_wg if const_expr(self.wg_epilogue) else 1
+        group = wg if const_expr(self.wg_epilogue) else 0
+        record = slot * groups + group
+        state_stride = (2 * cute.size(row_max) + cute.size(acc_O)) * epi_threads
+        return sk[0], sk[1].iterator + record, record, group, tidx % epi_threads, state_stride
+
     @cute.jit
     def stream_k_merge(self, sk, slot, acc_O, acc_O_mn, row_max, row_sum, scale_log2, tidx, wg,
                        epi_bar, epi_threads, sk_flag):
@@ -1722,15 +1734,9 @@ class FlashFwdSm90:
           wrote, and merges: max, then the two states scaled and added with products rounded
           apart (mul_rn), which is symmetric in the two pieces, so the result is bitwise the
           same whichever finished first."""
-        num_rows = cute.size(row_max)
-        groups = self.num_mma_wg if const_expr(self.wg_epilogue) else 1
-        group = wg if const_expr(self.wg_epilogue) else 0
-        ws, counters = sk[0], sk[1]
-        gt = tidx % epi_threads
-        record = slot * groups + group
-        counter = counters.iterator + record
-        n_vals = 2 * num_rows + cute.size(acc_O)
-        base = record * (n_vals * epi_threads) + gt
+        ws, counter, record, group, gt, state_stride = self.merge_record(sk, slot, acc_O, row_max, tidx, wg,
+                                                                        epi_threads)
+        base = record * state_stride + gt
         if gt == 0:
             sk_flag[group] = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
         cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
@@ -1767,14 +1773,8 @@ class FlashFwdSm90:
         it zeroes the counter (no one touches it after), fences, and merges the records in
         piece order (merge_states_in_order: the same bits whichever piece came last). No piece
         waits for another: no deadlock, whatever the order the CTAs run in."""
-        num_rows = cute.size(row_max)
-        groups = self.num_mma_wg if const_expr(self.wg_epilogue) else 1
-        group = wg if const_expr(self.wg_epilogue) else 0
-        ws, counters = sk[0], sk[1]
-        gt = tidx % epi_threads
-        record = slot * groups + group
-        counter = counters.iterator + record
-        state_stride = (2 * num_rows + cute.size(acc_O)) * epi_threads
+        ws, counter, record, group, gt, state_stride = self.merge_record(sk, slot, acc_O, row_max, tidx, wg,
+                                                                        epi_threads)
         base = record * pieces * state_stride + gt
         own = base + piece * state_stride
         write_state(lambda i, x: ws.__setitem__(own + i * epi_threads, x), acc_O, row_max, row_sum)
