@@ -113,6 +113,8 @@ CASES: List[Case] = [
     Case("gqa 4:1 short queries", _dense(24, 300, hq=8, hkv=2, big=(48, 4096, 32))),
     Case("gqa 8:1 short queries, causal", _dense(9, 200, hq=8, hkv=1, causal=True, big=(33, 2048, 32))),
     Case("causal sq<sk", _dense(70, 130, causal=True)),
+    # a prompt's chunk against its context: on a GPU few tiles, which fast-sm90 cuts along the keys
+    Case("chunk 128 vs 16k keys, causal", _dense(40, 150, hq=8, hkv=2, causal=True, big=(128, 16384, 32))),
     Case("causal sq>sk (empty rows)", _dense(150, 90, causal=True)),
     Case("window (32,8)", _dense(160, 160, window=(32, 8))),
     Case("causal+window 16", _dense(129, 129, causal=True, window=(16, -1))),
