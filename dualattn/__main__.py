@@ -37,6 +37,39 @@ def _progress(i: int, n: int, label: str) -> None:
     sys.stderr.flush()
 
 
+def _check_row(rows, name, dt, call, impl, dout, refs, gpu) -> int:
+    """Run ``impl`` on ``call`` (forward only where it cannot take the backward), check it against
+    the oracle's ``refs`` and append its row; 1 for a failure, else 0."""
+    import torch
+
+    from . import accuracy
+    fwd_only = call.spec.needs_grad and impl.can_implement(call.spec) is not None
+    try:
+        c2 = call
+        if fwd_only:
+            from dataclasses import replace
+            c2 = replace(call, spec=replace(call.spec, needs_grad=False))
+        t0 = time.perf_counter()
+        out, lse = impl.forward(c2)
+        grads = (None, None, None)
+        if c2.spec.needs_grad:
+            grads = impl.backward(c2, out, lse, dout)
+        if gpu:
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3
+        checks = accuracy.check_outputs(c2, out, lse, *grads, dout=dout, refs=refs)
+        ok = all(c.ok for c in checks)
+        worst = max(checks, key=lambda c: (c.err / c.bound) if c.bound > 0 else (0 if c.err == 0 else float("inf")))
+        detail = f"{worst.name} {worst.err:.2e} <= {worst.bound:.2e}" if ok else "; ".join(str(c) for c in checks if not c.ok)
+        if fwd_only:
+            detail += " (fwd only)"
+        rows.append((name, str(dt)[6:], impl.name, "PASS" if ok else "FAIL", detail, f"{ms:.1f}"))
+        return 0 if ok else 1
+    except Exception as e:  # a crash is a failure of that cell, reported, not hidden
+        rows.append((name, str(dt)[6:], impl.name, "FAIL", f"{type(e).__name__}: {e}"[:100], ""))
+        return 1
+
+
 def cmd_check(args) -> int:
     _prepare_triton_env()
     import torch
@@ -68,11 +101,15 @@ def cmd_check(args) -> int:
             continue
         for fam in families:
             impl, reasons = dispatch.family_reasons(call.spec, fam)
+            # the family's forward kernel: what an inference call (no grad) of this family runs,
+            # which can differ from the one that also takes the backward (on Hopper, "fast" is
+            # fast-sm90 for inference and fast-sm120-train for training): both get a row
+            fwd_impl = impl
+            if call.spec.needs_grad:
+                from dataclasses import replace
+                fwd_impl, _ = dispatch.family_reasons(replace(call.spec, needs_grad=False), fam)
             if impl is None:
-                # a fam that cannot take the backward may still take the forward
-                if call.spec.needs_grad:
-                    from dataclasses import replace
-                    impl, _ = dispatch.family_reasons(replace(call.spec, needs_grad=False), fam)
+                impl = fwd_impl  # a fam that cannot take the backward may still take the forward
                 if impl is None:
                     # the reasons in full below the table (they are long; a cut one says nothing)
                     text = "; ".join(reasons)
@@ -80,31 +117,9 @@ def cmd_check(args) -> int:
                         notes.append(text)
                     rows.append((case.name, str(dt)[6:], fam, "n/a", f"why: note {notes.index(text) + 1}", ""))
                     continue
-            fwd_only = call.spec.needs_grad and impl.can_implement(call.spec) is not None
-            try:
-                c2 = call
-                if fwd_only:
-                    from dataclasses import replace
-                    c2 = replace(call, spec=replace(call.spec, needs_grad=False))
-                t0 = time.perf_counter()
-                out, lse = impl.forward(c2)
-                grads = (None, None, None)
-                if c2.spec.needs_grad:
-                    grads = impl.backward(c2, out, lse, dout)
-                if gpu:
-                    torch.cuda.synchronize()
-                ms = (time.perf_counter() - t0) * 1e3
-                checks = accuracy.check_outputs(c2, out, lse, *grads, dout=dout, refs=refs)
-                ok = all(c.ok for c in checks)
-                worst = max(checks, key=lambda c: (c.err / c.bound) if c.bound > 0 else (0 if c.err == 0 else float("inf")))
-                detail = f"{worst.name} {worst.err:.2e} <= {worst.bound:.2e}" if ok else "; ".join(str(c) for c in checks if not c.ok)
-                if fwd_only:
-                    detail += " (fwd only)"
-                rows.append((case.name, str(dt)[6:], impl.name, "PASS" if ok else "FAIL", detail, f"{ms:.1f}"))
-                failures += 0 if ok else 1
-            except Exception as e:  # a crash is a failure of that cell, reported, not hidden
-                rows.append((case.name, str(dt)[6:], impl.name, "FAIL", f"{type(e).__name__}: {e}"[:100], ""))
-                failures += 1
+            failures += _check_row(rows, case.name, dt, call, impl, dout, refs, gpu)
+            if fwd_impl is not None and fwd_impl.name != impl.name:
+                failures += _check_row(rows, case.name, dt, call, fwd_impl, dout, refs, gpu)
     _progress(len(work), len(work), "done")
     header = ("variant", "dtype", "impl", "result", "error vs bound", "ms")
     widths = [max(len(str(r[j])) for r in rows + [header]) for j in range(6)]

@@ -224,6 +224,31 @@ def test_cli_check_and_info():
     assert r.returncode == 0 and "torch" in r.stdout
 
 
+def test_check_runs_the_forward_kernel_of_a_family_beside_its_training_one(monkeypatch, capsys):
+    """Where a family's inference calls and its training calls go to different kernels (on Hopper
+    "fast": fast-sm90 forward, fast-sm120-train forward + backward), `check` checks both: the
+    training kernel forward and backward, the inference kernel forward only."""
+    import argparse
+
+    from dualattn import __main__ as cli, dispatch
+    torch_impl = dispatch.implementations("torch")[0]
+    fwd_kernel = type("FwdKernel", (), {})()  # a stand-in inference-only kernel
+    fwd_kernel.name = "fwd-kernel"
+    fwd_kernel.can_implement = lambda spec: "no backward" if spec.needs_grad else None
+    fwd_kernel.forward = torch_impl.forward
+    real = dispatch.family_reasons
+
+    def family_reasons(spec, family):
+        if family != "torch":
+            return real(spec, family)
+        return (torch_impl, []) if spec.needs_grad else (fwd_kernel, [])
+    monkeypatch.setattr(dispatch, "family_reasons", family_reasons)
+    args = argparse.Namespace(impls="torch", dtypes="float32", filter="seqlen 1", small=True, no_backward=False, seed=0)
+    assert cli.cmd_check(args) == 0
+    out = capsys.readouterr().out
+    assert "torch " in out and "fwd-kernel  PASS" in out and "(fwd only)" in out
+
+
 def test_cli_diff_exit_codes(broken_fast, tmp_path):
     q, k, v = qkv(sq=24, sk=24)
     call = S.build_dense(q, k, v, causal=True)
