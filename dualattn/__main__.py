@@ -83,6 +83,11 @@ def cmd_check(args) -> int:
     large = gpu and not args.small
     families = args.impls.split(",") if args.impls else [f for f in dispatch.FAMILIES]
     selected = [c for c in cases.CASES if not args.filter or args.filter.lower() in c.name.lower()]
+    if args.part:  # "k/n": every n-th variant from the k-th (a long run split over calls)
+        k, n = (int(x) for x in args.part.split("/"))
+        if not 1 <= k <= n:
+            raise SystemExit(f"--part: expected k/n with 1 <= k <= n, got {args.part!r}")
+        selected = selected[k - 1::n]
     work = [(c, dt) for c in selected for dt in dtypes]
     rows, failures = [], 0
     notes = []  # why a family serves none of a row (n/a), in full
@@ -199,6 +204,7 @@ def main(argv=None) -> int:
     c.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     c.add_argument("--no-backward", action="store_true")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--part", help="k/n: every n-th variant from the k-th (split a long run)")
     sub.add_parser("info", help="GPU, arch, implementations and what they serve")
     d = sub.add_parser("diff", help="replay a repro file against the oracle")
     d.add_argument("repro")

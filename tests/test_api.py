@@ -243,10 +243,28 @@ def test_check_runs_the_forward_kernel_of_a_family_beside_its_training_one(monke
             return real(spec, family)
         return (torch_impl, []) if spec.needs_grad else (fwd_kernel, [])
     monkeypatch.setattr(dispatch, "family_reasons", family_reasons)
-    args = argparse.Namespace(impls="torch", dtypes="float32", filter="seqlen 1", small=True, no_backward=False, seed=0)
+    args = argparse.Namespace(impls="torch", dtypes="float32", filter="seqlen 1", small=True, no_backward=False, seed=0,
+                              part=None)
     assert cli.cmd_check(args) == 0
     out = capsys.readouterr().out
     assert "torch " in out and "fwd-kernel  PASS" in out and "(fwd only)" in out
+
+
+def test_check_part_splits_the_variants(capsys):
+    """`check --part k/n` runs every n-th variant from the k-th: the parts together are the run."""
+    import argparse
+
+    from dualattn import __main__ as cli, cases
+    names = []
+    for k in (1, 2, 3):
+        args = argparse.Namespace(impls="torch", dtypes="float32", filter="dense", small=True, no_backward=True,
+                                  seed=0, part=f"{k}/3")
+        assert cli.cmd_check(args) == 0
+        names += [ln.split("  ")[0] for ln in capsys.readouterr().out.splitlines() if "  torch " in ln]
+    assert sorted(names) == sorted(c.name for c in cases.CASES if "dense" in c.name)
+    with pytest.raises(SystemExit):
+        cli.cmd_check(argparse.Namespace(impls="torch", dtypes="float32", filter=None, small=True, no_backward=True,
+                                         seed=0, part="4/3"))
 
 
 def test_cli_diff_exit_codes(broken_fast, tmp_path):
