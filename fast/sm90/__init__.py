@@ -267,6 +267,16 @@ assert CAUSAL_SPLIT_MAX_SEQLEN_Q < SPLIT_MIN_PIECE_KEYS
 _CAUSAL_SPLIT_ENV = os.environ.get("DUALATTN_SM90_CAUSAL_SPLIT", "")
 
 
+def _gqa_pack(spec, tile_m: int) -> int:
+    """FastSm90Forward.pack_gqa's rule for a tile of ``tile_m`` rows (the config's; a rule that
+    the config itself reads passes 128, the tile of the calls it concerns)."""
+    g = spec.num_heads_q // max(spec.num_heads_kv, 1)
+    if (g < 2 or g & (g - 1) or spec.mode != "batched" or spec.has_key_ranges or spec.has_block_sparse
+            or tile_m % g or _PACK_GQA_ENV == "0"):
+        return 1
+    return g if _PACK_GQA_ENV == "1" or spec.seqlen_q <= PACK_GQA_MAX_SEQLEN_Q else 1
+
+
 def _causal_split_grid(spec) -> bool:
     """Batched causal calls (no window, key ranges or CSR) of at most CAUSAL_SPLIT_MAX_SEQLEN_Q
     queries against at least twice SPLIT_MIN_PIECE_KEYS keys, whose 128-row tiles (GQA heads
@@ -280,9 +290,7 @@ def _causal_split_grid(spec) -> bool:
             and not spec.has_key_ranges and not spec.has_block_sparse
             and spec.seqlen_q <= CAUSAL_SPLIT_MAX_SEQLEN_Q and spec.seqlen_k >= 2 * SPLIT_MIN_PIECE_KEYS):
         return False
-    g = spec.num_heads_q // max(spec.num_heads_kv, 1)
-    g = g if (g >= 2 and not g & (g - 1) and 128 % g == 0 and _PACK_GQA_ENV != "0"
-              and spec.seqlen_q <= PACK_GQA_MAX_SEQLEN_Q) else 1  # (pack_gqa's rule, on 128 rows)
+    g = _gqa_pack(spec, 128)
     units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
     return 2 * units <= _model_sm_count()
 
@@ -653,13 +661,7 @@ class FastSm90Forward:
         window bounds take each row's query position (FlashFwdSm90.q_pos). Not with key ranges or
         a block-sparse CSR (per-head data and per-tile visit plans), nor varlen.
         DUALATTN_SM90_PACK_GQA=0 turns it off, =1 packs wherever allowed (comparisons)."""
-        g = spec.num_heads_q // max(spec.num_heads_kv, 1)
-        if (g < 2 or g & (g - 1) or spec.mode != "batched" or spec.has_key_ranges or spec.has_block_sparse
-                or cls.config(spec)[0] % g):
-            return 1
-        if _PACK_GQA_ENV == "0":
-            return 1
-        return g if _PACK_GQA_ENV == "1" or spec.seqlen_q <= PACK_GQA_MAX_SEQLEN_Q else 1
+        return _gqa_pack(spec, cls.config(spec)[0])
 
     @staticmethod
     def writes_lse(spec) -> bool:
@@ -1007,9 +1009,10 @@ class FastSm90Forward:
             return none
         tile_n = self.config(spec)[1]
         min_keys = _stream_k_min_keys(self._stream_k_narrow(spec))
-        cut = stream_k_tiles(units, min(units, num_sms), blocks, tile_n, min_keys)
-        if _causal_split_grid(spec):  # its pieces are a tile's share of whole (split_pieces) only
-            cut = 0
+        # (short causal chunks: only whole tiles split into pieces, split_pieces; a tail's cut
+        # could put a piece among the keys the causal limit hides)
+        cut = 0 if _causal_split_grid(spec) else stream_k_tiles(units, min(units, num_sms), blocks,
+                                                                tile_n, min_keys)
         pieces = 0
         if not cut and _SPLIT_UNITS_ENV != "0":
             pieces = split_pieces(units, num_sms, blocks, tile_n, min_keys, pairs=self.paired(spec),

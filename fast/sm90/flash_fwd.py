@@ -388,9 +388,9 @@ class FlashFwdSm90:
         # stream-K tail (fast/common/tile_order.stream_k_tiles): the persistent grid's last two
         # rounds cut along the keys, a cut tile's two pieces merged by the one finishing second
         # (stream_k_merge). Needs units of (nearly) equal work: the tiles of calls without causal /
-        # window bounds, or the paired order's pairs (paired_item_coords), or causal tiles that
-        # all visit every key block but at most one, cut whole into pieces (the host's
-        # _causal_split_grid); not key ranges, CSR or varlen. The launch passes how many tiles
+        # window bounds, or the paired order's pairs (paired_item_coords), or short causal tiles
+        # whose causal limit hides fewer keys than a piece holds, cut whole into pieces (the
+        # host's _causal_split_grid); not key ranges, CSR or varlen. The launch passes how many tiles
         # (units) are cut, 0 for none
         assert not stream_k or (persistent and not (varlen or self.dynamic_mask or self.mask_left))
         self.stream_k = stream_k
