@@ -370,6 +370,9 @@ def test_split_pieces_only_where_two_ctas_a_unit_fit():
     assert split_pieces(8, 132, 256, 128, max_pieces=2) == 2
     assert split_pieces(8, 132, 256, 128, pairs=True) == 2  # pairs: two pieces only
     assert split_pieces(8, 132, 24, 128, min_keys=0) == 3   # a piece keeps SPLIT_MIN_PIECE_KEYS
+    assert split_pieces(8, 132, 24, 128, min_keys=0, min_piece_keys=512) == 6
+    # a piece never holds less than a key block, whatever it is asked to keep: P <= blocks
+    assert split_pieces(4, 132, 5, 128, min_keys=0, min_piece_keys=16) == 5
     assert stream_k_grid(66, 132, 66, 2) == 132 and stream_k_grid(66, 132, 0) == 66
     assert stream_k_grid(8, 132, 8, 8) == 64
     # stream_k_tiles cuts only calls of more units than SMs, whose grid stays one CTA an SM

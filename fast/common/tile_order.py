@@ -371,16 +371,17 @@ SPLIT_MAX_PIECES = 8  # the last piece reads every record: its merge grows with 
 
 
 def split_pieces(num_units, num_sms, blocks_per_unit, tile_n, min_keys=STREAM_K_MIN_KEYS,
-                 max_pieces=SPLIT_MAX_PIECES, pairs=False):
+                 max_pieces=SPLIT_MAX_PIECES, pairs=False, min_piece_keys=SPLIT_MIN_PIECE_KEYS):
     """Pieces each unit is cut into on a grid of pieces x units CTAs: 0 where twice the units do
     not fit the SMs, a unit has fewer than two key blocks or ``min_keys`` keys; else 2 (pairs),
-    or as many as fit the SMs, up to ``max_pieces``, while a piece keeps SPLIT_MIN_PIECE_KEYS
-    (at least 2). Host-side."""
+    or as many as fit the SMs, up to ``max_pieces``, while a piece keeps ``min_piece_keys`` keys
+    (at least 2 pieces). A piece never holds less than a key block (the floor is the key tile), so
+    P <= blocks_per_unit: no piece of a unit that visits every key block is empty. Host-side."""
     if 2 * num_units > num_sms or blocks_per_unit < 2 or blocks_per_unit * tile_n < min_keys:
         return 0
     if pairs:
         return 2
-    by_keys = blocks_per_unit * tile_n // SPLIT_MIN_PIECE_KEYS
+    by_keys = blocks_per_unit * tile_n // max(min_piece_keys, tile_n)
     return max(2, min(num_sms // num_units, max_pieces, by_keys))
 
 

@@ -60,6 +60,9 @@ _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90
 # a grid of at most half the SMs (FastSm90Forward.stream_k_plan): "0" keeps one CTA per unit,
 # a number caps the pieces a unit is cut into (tile_order.SPLIT_MAX_PIECES by default)
 _SPLIT_UNITS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_UNITS", "")
+# keys a piece keeps at least (tile_order.SPLIT_MIN_PIECE_KEYS by default; tests: fewer keys
+# reach more pieces, see _split_piece_keys)
+_SPLIT_PIECE_KEYS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_PIECE_KEYS", "")
 _BIT_MASK_ENV = os.environ.get("DUALATTN_SM90_BIT_MASK", "")  # see FastSm90Forward.bit_mask
 _TILE_INFO_ENV = os.environ.get("DUALATTN_SM90_TILE_INFO", "")  # see FastSm90Forward.tile_info
 _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.q_regs
@@ -262,7 +265,27 @@ def _causal_3wg_fills_grid(spec) -> bool:
 
 
 CAUSAL_SPLIT_MAX_SEQLEN_Q = 512  # see _causal_split_grid
-assert CAUSAL_SPLIT_MAX_SEQLEN_Q < SPLIT_MIN_PIECE_KEYS
+
+
+def _split_piece_keys() -> int:
+    """Keys a piece of a split unit keeps at least (tile_order.split_pieces), read at call time:
+    the property campaign lowers it to reach many pieces at small shapes."""
+    return int(_SPLIT_PIECE_KEYS_ENV) if _SPLIT_PIECE_KEYS_ENV else SPLIT_MIN_PIECE_KEYS
+
+
+def _causal_split_max_seqlen_q(tile_n: int) -> int:
+    """Queries of a causal chunk whose tiles may be cut into pieces (_causal_split_grid). A piece
+    holds at least floor(K / t) whole key blocks of t keys, so K - t + 1 keys or more (K: the keys
+    a piece keeps, split_pieces); the causal limit hides h <= seqlen_q - 1 keys from a tile's
+    last row, and the key tail can leave all but one key of the last block empty. So the last
+    piece holds a key the tile sees while K - t + 1 >= t + h, i.e. seqlen_q <= K - 2 t + 2
+    (512 of 770 at K = 1024, t = 128). ``tile_n``: _tile_config's key tile, the widest the config
+    gives the head dims (its narrow hd256 / hd192 tiles are shorter)."""
+    return max(0, min(CAUSAL_SPLIT_MAX_SEQLEN_Q, _split_piece_keys() - 2 * tile_n + 2))
+
+
+# the default piece size leaves every key tile up to 128 the whole 512 queries
+assert SPLIT_MIN_PIECE_KEYS - 2 * 128 + 2 >= CAUSAL_SPLIT_MAX_SEQLEN_Q
 # "0": short causal chunks keep the pairs / one CTA per tile (_causal_split_grid; comparisons)
 _CAUSAL_SPLIT_ENV = os.environ.get("DUALATTN_SM90_CAUSAL_SPLIT", "")
 
@@ -282,13 +305,16 @@ def _causal_split_grid(spec) -> bool:
     queries against at least twice SPLIT_MIN_PIECE_KEYS keys, whose 128-row tiles (GQA heads
     packed) fit at most half the SMs: a chunk of a long prompt, or decoding through attention().
     A tile's rows lie within the last seqlen_q queries, so the causal limit hides fewer than
-    seqlen_q < SPLIT_MIN_PIECE_KEYS of its keys from all of them: tiles of nearly equal work,
-    which run on the persistent grid in the plain order (not pairs), each cut into pieces along
-    the keys (tile_order.split_pieces; a piece holds SPLIT_MIN_PIECE_KEYS keys at least, so the
-    hidden keys never empty one: a piece that never arrived would leave its tile unmerged)."""
+    seqlen_q of its keys from all of them: tiles of nearly equal work, which run on the
+    persistent grid in the plain order (not pairs), each cut into pieces along the keys
+    (tile_order.split_pieces), each large enough that the hidden keys never empty one
+    (_causal_split_max_seqlen_q): a piece that never arrived would leave its tile unmerged
+    (props/test_schedules.py checks this on drawn shapes)."""
+    piece_keys = _split_piece_keys()
     if not (_CAUSAL_SPLIT_ENV != "0" and spec.mode == "batched" and spec.causal and spec.window == (-1, -1)
             and not spec.has_key_ranges and not spec.has_block_sparse
-            and spec.seqlen_q <= CAUSAL_SPLIT_MAX_SEQLEN_Q and spec.seqlen_k >= 2 * SPLIT_MIN_PIECE_KEYS):
+            and spec.seqlen_q <= _causal_split_max_seqlen_q(_tile_config(spec.head_dim, spec.head_dim_v)[0])
+            and spec.seqlen_k >= 2 * piece_keys):
         return False
     g = _gqa_pack(spec, 128)
     units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
@@ -1016,6 +1042,7 @@ class FastSm90Forward:
         pieces = 0
         if not cut and _SPLIT_UNITS_ENV != "0":
             pieces = split_pieces(units, num_sms, blocks, tile_n, min_keys, pairs=self.paired(spec),
+                                  min_piece_keys=_split_piece_keys(),
                                   **({"max_pieces": int(_SPLIT_UNITS_ENV)} if _SPLIT_UNITS_ENV else {}))
             cut = units if pieces else 0
         if not cut:

@@ -1,0 +1,151 @@
+"""Property 7: fast-sm90's persistent schedules on small grids.
+
+The GPU profile's shapes (a few hundred keys on 132 SMs) never cut a tile along the keys, so the
+other properties do not reach stream-K's tail cuts, the split of small grids into pieces
+(tile_order.split_pieces) or the causal chunks' plain order. Here the grid is drawn too: the SM
+count the launch sizes its grid by (DUALATTN_SM90_NUM_SMS), the keys a piece keeps, the cap on
+pieces and stream-K's key minimum (module knobs, read at call time), so that drawn shapes
+take those paths.
+
+* ``test_sm90_split_plans_leave_no_piece_empty`` (no GPU): the launch's plan for drawn shapes
+  and grids never gives a unit a piece that holds none of the key blocks the unit visits. Such a
+  piece would never arrive at its tile's merge, and the tile would stay unstored.
+* ``test_fast_sm90_small_grids_match_oracle`` (Hopper): the kernel on drawn shapes and grids meets
+  the accuracy rule and repeats bit for bit; the pieces' merge order is fixed, whichever arrives
+  last.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import assume, event, example, given
+from hypothesis import strategies as st
+
+from props import harness, profiles
+from props import strategies as S
+from props.strategies import Case
+
+from dualattn.spec import AttentionSpec
+
+SM90_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128))
+
+
+@contextlib.contextmanager
+def sm90_grid(num_sms: int, piece_keys: int, max_pieces: str, stream_k_min_keys: str):
+    """fast-sm90's grid knobs for one example; the launch memo is cleared on both sides, since it
+    keeps a spec's plan."""
+    import dualattn.fast.sm90 as sm90
+    names = ("_NUM_SMS_ENV", "_SPLIT_PIECE_KEYS_ENV", "_SPLIT_UNITS_ENV", "_STREAM_K_MIN_KEYS_ENV")
+    saved = {n: getattr(sm90, n) for n in names}
+    values = (str(num_sms), str(piece_keys) if piece_keys else "", max_pieces, stream_k_min_keys)
+    sm90.FORWARD._entries.clear()
+    try:
+        for n, v in zip(names, values):
+            setattr(sm90, n, v)
+        yield sm90.FORWARD
+    finally:
+        for n, v in saved.items():
+            setattr(sm90, n, v)
+        sm90.FORWARD._entries.clear()
+
+
+def grids(max_sms: int):
+    return st.fixed_dictionaries({
+        "num_sms": st.integers(1, max_sms),
+        "piece_keys": st.sampled_from([0, 128, 192, 256, 384, 512, 1024]),  # 0: the default
+        "max_pieces": st.sampled_from(["", "", "2", "3", "5", "8"]),
+        "stream_k_min_keys": st.sampled_from(["", "0"]),
+    })
+
+
+def tile_visits(impl, spec):
+    """Key blocks each query block of a plain-order call visits: all of them, or with the causal
+    limit the kernel's bounds (FastSm90Forward.paired_key_blocks, checked against the kernel's
+    own code in tests/test_compile_sm90.py)."""
+    tile_m, tile_n = impl.config(spec)[:2]
+    n = -(-(impl.pack_gqa(spec) * spec.seqlen_q) // tile_m)
+    if not spec.causal:  # (no window drawn here)
+        return [-(-spec.seqlen_k // tile_n)] * n
+    kb = impl.paired_key_blocks(spec)
+    return [kb(m) for m in range(n)]
+
+
+@st.composite
+def sm90_specs(draw):
+    d, dv = draw(st.sampled_from(SM90_HEAD_DIMS))
+    small = draw(st.booleans())  # half the draws small enough to fit half the SMs: those split
+    hkv = draw(st.integers(1, 2 if small else 8))
+    hq = hkv * draw(st.sampled_from([1, 2, 3, 4, 8]))
+    sq = draw(st.one_of(st.integers(1, 300 if small else 600), st.integers(1, 4096), st.sampled_from(S.EDGE_LENGTHS)))
+    sk = draw(st.one_of(st.integers(1, 40000), st.sampled_from([1024, 2047, 2048, 2049, 4096, 8191, 16384])))
+    return AttentionSpec("batched", draw(st.integers(1, 2 if small else 4)), sq, sk, hq, hkv, d, dv,
+                         draw(st.sampled_from([torch.bfloat16, torch.float16])), "cuda",
+                         causal=draw(st.booleans()))
+
+
+@pytest.mark.device_free
+@profiles.examples(8.0)
+@given(spec=sm90_specs(), grid=grids(132))
+# the causal chunks' bound at its edge: 64 queries x 4 packed heads (two tiles, the first's rows
+# see all but 32 keys) against 257 keys, pieces of 128 keys: three one-block pieces, and the
+# first tile sees nothing of the last (a bound of half a piece's keys allowed it)
+@example(spec=AttentionSpec("batched", 1, 64, 257, 4, 1, 128, 128, torch.bfloat16, "cuda", causal=True),
+         grid={"num_sms": 8, "piece_keys": 128, "max_pieces": "", "stream_k_min_keys": "0"})
+def test_sm90_split_plans_leave_no_piece_empty(spec, grid):
+    with sm90_grid(**grid) as impl:
+        cut, blocks, pieces, ctas = impl.stream_k_plan(spec, torch.device("cuda"))
+        event(f"pieces: {pieces}")
+        if not pieces:
+            return
+        if impl.paired(spec):
+            # pairs: two pieces, each tile narrowed to its share of the pair's key blocks
+            # (tile_order.tile_share); a tile wholly in one piece is stored uncut, so an empty
+            # share is no hazard there
+            event("paired")
+            assert pieces == 2
+            return
+        event("causal chunk" if spec.causal else "non-causal")
+        # the plain order: every piece of a cut tile adds itself to the tile's merge, so each one
+        # needs a key block the tile visits; the last piece starts latest
+        last_start = (pieces - 1) * blocks // pieces
+        visits = tile_visits(impl, spec)
+        assert max(visits) == blocks
+        assert min(visits) > last_start, (
+            f"{spec.short()}: a tile visiting {min(visits)} key blocks leaves its last piece "
+            f"[{last_start}, {blocks}) empty ({pieces} pieces, grid {grid})")
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@st.composite
+def small_grid_cases(draw):
+    """Batched calls that fast-sm90 serves, with keys long enough to cut (up to 8x the profile's
+    length; the queries stay within it, so the oracle's scores stay small)."""
+    lim = profiles.current()
+    case = draw(S.batched_cases(key_ranges=False, blocks=False, backward=False))
+    d, dv = draw(st.sampled_from(SM90_HEAD_DIMS))
+    sk = draw(st.one_of(st.integers(1, 8 * lim.max_seqlen), st.sampled_from([1, 127, 128, 129, 1023, 1024, 1025])))
+    dtype = case.dtype if case.dtype != "float32" else "bfloat16"
+    return replace(case, seqlens_k=(sk,) * case.batch, head_dim=d, head_dim_v=dv, dtype=dtype,
+                   window=(-1, -1) if draw(st.booleans()) else case.window)
+
+
+@pytest.mark.skipif(not _hopper(), reason="fast-sm90 runs on Hopper (sm_90) only")
+@profiles.examples(1.0)
+@given(case=small_grid_cases(), grid=grids(48))
+def test_fast_sm90_small_grids_match_oracle(case: Case, grid):
+    inp = S.materialize(case)
+    call = S.build_call(inp)
+    with sm90_grid(**grid) as impl:
+        assume(impl.can_implement(call.spec) is None)
+        event(f"pieces: {impl.stream_k_plan(call.spec, inp.q.device)[2] if impl.stream_k(call.spec) else 'no cut'}")
+        harness.assert_matches_oracle(inp, impls=[impl])
+        runs = [harness.run(impl, inp, call=call)[0][:2] for _ in range(3)]
+        for out, lse in runs[1:]:
+            assert torch.equal(out, runs[0][0]) and torch.equal(lse.nan_to_num(), runs[0][1].nan_to_num()), \
+                f"fast-sm90 differs bitwise between repeated runs on {call.spec.short()} (grid {grid})"
