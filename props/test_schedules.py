@@ -136,9 +136,9 @@ def small_grid_cases(draw):
 
 
 @pytest.mark.skipif(not _hopper(), reason="fast-sm90 runs on Hopper (sm_90) only")
-@profiles.examples(1.0)
+@profiles.sharded(2.0)
 @given(case=small_grid_cases(), grid=grids(48))
-def test_fast_sm90_small_grids_match_oracle(case: Case, grid):
+def test_fast_sm90_small_grids_match_oracle(shard, case: Case, grid):
     inp = S.materialize(case)
     call = S.build_call(inp)
     with sm90_grid(**grid) as impl:
