@@ -57,7 +57,7 @@ def grids(max_sms: int):
         "num_sms": st.integers(1, max_sms),
         "piece_keys": st.sampled_from([0, 128, 192, 256, 384, 512, 1024]),  # 0: the default
         "max_pieces": st.sampled_from(["", "", "2", "3", "5", "8"]),
-        "stream_k_min_keys": st.sampled_from(["", "0"]),
+        "stream_k_min_keys": st.sampled_from(["", "0", "0", "0"]),  # "0": short keys are cut too
     })
 
 
@@ -124,19 +124,26 @@ def _hopper() -> bool:
 
 @st.composite
 def small_grid_cases(draw):
-    """Batched calls that fast-sm90 serves, with keys long enough to cut (up to 8x the profile's
-    length; the queries stay within it, so the oracle's scores stay small)."""
+    """Batched calls that fast-sm90 serves, few enough tiles for a drawn grid to cut them, with
+    keys up to 8x the profile's length (the queries stay within it, so the oracle's scores stay
+    small)."""
     lim = profiles.current()
-    case = draw(S.batched_cases(key_ranges=False, blocks=False, backward=False))
     d, dv = draw(st.sampled_from(SM90_HEAD_DIMS))
+    hkv = draw(st.integers(1, 2))
+    hq = hkv * draw(st.sampled_from([1, 2, 3, 4, 8]))
+    sq = draw(S.seqlens(1))
     sk = draw(st.one_of(st.integers(1, 8 * lim.max_seqlen), st.sampled_from([1, 127, 128, 129, 1023, 1024, 1025])))
-    dtype = case.dtype if case.dtype != "float32" else "bfloat16"
-    return replace(case, seqlens_k=(sk,) * case.batch, head_dim=d, head_dim_v=dv, dtype=dtype,
-                   window=(-1, -1) if draw(st.booleans()) else case.window)
+    causal = draw(st.booleans())
+    window = draw(S.windows(sk)) if draw(st.integers(0, 4)) == 0 else (-1, -1)
+    batch = draw(st.integers(1, 2))
+    return Case("batched", (sq,) * batch, (sk,) * batch, hq, hkv, d, dv,
+                draw(st.sampled_from(["bfloat16", "float16"])), causal=causal, window=window,
+                softcap=draw(S.softcaps()), scale=draw(S.scales()), magnitude=draw(S.magnitudes()),
+                seed=draw(st.integers(0, 2 ** 16)))
 
 
 @pytest.mark.skipif(not _hopper(), reason="fast-sm90 runs on Hopper (sm_90) only")
-@profiles.sharded(2.0)
+@profiles.sharded(3.0)
 @given(case=small_grid_cases(), grid=grids(48))
 def test_fast_sm90_small_grids_match_oracle(shard, case: Case, grid):
     inp = S.materialize(case)
