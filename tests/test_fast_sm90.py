@@ -164,7 +164,7 @@ _case("streamk-off", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stre
 _case("split", 1, 500, 2100, 4, 2, 128, num_sms=40, pieces=2)
 _case("split", 2, 300, 1500, 4, 4, 128, "float16", num_sms=48, pieces=2)
 _case("split", 1, 700, 1500, 4, 4, 64, num_sms=64, pieces=2)                 # 2 warpgroups, 128-row tiles
-_case("split", 1, 700, 1500, 4, 2, 64, num_sms=64, model_sms=1, pieces=2)    # 3 warpgroups, 192-row tiles
+_case("split", 1, 700, 1500, 4, 2, 64, num_sms=64, model_sms=1, pieces=3)    # 3 warpgroups, 192-row tiles
 _case("split", 1, 300, 999, 4, 2, 256, num_sms=30, pieces=2)                 # one epilogue group
 _case("split", 1, 300, 999, 4, 2, 192, num_sms=30, dv=128, pieces=2)
 _case("split", 2, 16, 1000, 32, 8, 128, num_sms=32, pieces=2)                # packed GQA rows
@@ -172,13 +172,15 @@ _case("split", 1, 500, 640, 6, 3, 96, num_sms=48, softcap=15.0, pieces=2)
 _case("split", 1, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=40, pieces=2)  # 16 pairs
 _case("split", 1, 300, 2000, 4, 2, 128, "bfloat16", True, num_sms=30, pieces=2)   # bottom-right, odd blocks
 _case("split", 1, 1000, 1000, 4, 4, 64, "float16", True, num_sms=64, pieces=2)
-_case("split", 1, 128, 4000, 2, 2, 128, num_sms=40, pieces=4)                # key tail in the last piece
+_case("split", 1, 128, 4000, 2, 2, 128, num_sms=40, piece_keys=1024, pieces=4)                # key tail in the last piece
+_case("split", 1, 128, 4000, 2, 2, 128, num_sms=40, pieces=8)                # 512-key pieces (the default)
 _case("split", 1, 100, 9000, 4, 1, 128, num_sms=64, pieces=8)                # packed GQA rows
-_case("split", 1, 150, 5000, 2, 1, 64, num_sms=40, model_sms=1, pieces=5)    # 3 warpgroups
-_case("split", 1, 200, 6000, 2, 2, 64, "float16", num_sms=40, pieces=5)      # 2 warpgroups
+_case("split", 1, 150, 5000, 2, 1, 64, num_sms=40, model_sms=1, piece_keys=1024, pieces=5)    # 3 warpgroups
+_case("split", 1, 200, 6000, 2, 2, 64, "float16", num_sms=40, piece_keys=1024, pieces=5)      # 2 warpgroups
 _case("split", 1, 200, 6000, 4, 2, 256, num_sms=30, pieces=3)                # one epilogue group
-_case("split", 1, 60, 3000, 3, 3, 96, "float16", num_sms=48, softcap=15.0, pieces=3)
-_case("split", 1, 70, 4000, 2, 2, 192, num_sms=40, dv=128, pieces=4)
+_case("split", 1, 60, 3000, 3, 3, 96, "float16", num_sms=48, softcap=15.0, piece_keys=1024, pieces=3)
+_case("split", 1, 60, 3000, 3, 3, 96, "float16", num_sms=48, softcap=15.0, pieces=6)
+_case("split", 1, 70, 4000, 2, 2, 192, num_sms=40, dv=128, piece_keys=1024, pieces=4)
 _case("split", 1, 512, 4096, 8, 8, 128, pieces=4)                            # the real SM count
 _case("split", 1, 128, 32768, 32, 8, 128, pieces=4)
 _case("split", 1, 1, 16384, 32, 8, 128, pieces=8)
@@ -611,6 +613,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._WINDOW_ORDER_ENV = kw.pop("window_order", "")
             sm90._NARROW_LAST_ENV = kw.pop("narrow_last", "")
             sm90._SPLIT_UNITS_ENV = kw.pop("split_units", "")
+            sm90._SPLIT_PIECE_KEYS_ENV = str(kw.pop("piece_keys", ""))
             kw.pop("pieces", None)  # (the test checks the name's)
             # the per-(spec, device) launch memo would hand a case the kernel (and SM count) of
             # an earlier case with the same spec but other knobs
@@ -666,7 +669,7 @@ def _run_worker(out_path: str, group: str) -> None:
             f.flush()
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
         sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = sm90._PASS_EMPTY_WG_ENV = sm90._O_SLOT_ENV = ""
-        sm90._KEY_SPLIT_ENV = sm90._SPLIT_UNITS_ENV = ""
+        sm90._KEY_SPLIT_ENV = sm90._SPLIT_UNITS_ENV = sm90._SPLIT_PIECE_KEYS_ENV = ""
         sm90._MODEL_SMS_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:

@@ -347,7 +347,7 @@ def test_stream_k_covers_every_key_block_once_and_cuts_a_tile_at_most_once(num_t
 
 @pytest.mark.parametrize("num_tiles, num_sms, blocks, want", [
     (64, 132, 64, 2), (66, 132, 33, 2), (32, 132, 256, 4), (1, 132, 2, 2), (7, 20, 17, 2),
-    (16, 32, 3, 2), (5, 11, 128, 2), (8, 132, 256, 8), (40, 132, 64, 3), (10, 132, 19, 2), (3, 132, 40, 5)])
+    (16, 32, 3, 2), (5, 11, 128, 2), (8, 132, 256, 8), (40, 132, 64, 3), (10, 132, 19, 4), (3, 132, 40, 8)])
 def test_split_pieces_run_p_ctas_a_tile_each_on_a_share_of_its_keys(num_tiles, num_sms, blocks, want):
     """A grid of at most half the SMs: every tile cut into P pieces of nearly equal key blocks
     (none empty), on a grid of P CTAs a tile, CTA P t + p holding piece p of tile t (the kernel
@@ -369,8 +369,8 @@ def test_split_pieces_only_where_two_ctas_a_unit_fit():
     assert split_pieces(40, 132, 1, 128, min_keys=0) == 0  # one key block: nothing to cut
     assert split_pieces(8, 132, 256, 128, max_pieces=2) == 2
     assert split_pieces(8, 132, 256, 128, pairs=True) == 2  # pairs: two pieces only
-    assert split_pieces(8, 132, 24, 128, min_keys=0) == 3   # a piece keeps SPLIT_MIN_PIECE_KEYS
-    assert split_pieces(8, 132, 24, 128, min_keys=0, min_piece_keys=512) == 6
+    assert split_pieces(8, 132, 24, 128, min_keys=0) == 6   # a piece keeps SPLIT_MIN_PIECE_KEYS
+    assert split_pieces(8, 132, 24, 128, min_keys=0, min_piece_keys=1024) == 3  # causal chunks'
     # a piece never holds less than a key block, whatever it is asked to keep: P <= blocks
     assert split_pieces(4, 132, 5, 128, min_keys=0, min_piece_keys=16) == 5
     assert stream_k_grid(66, 132, 66, 2) == 132 and stream_k_grid(66, 132, 0) == 66

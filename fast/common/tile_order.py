@@ -366,7 +366,12 @@ def stream_k_tiles(num_tiles, num_ctas, blocks_per_tile, tile_n, min_keys=STREAM
 # per unit). The launch passes the grid's CTAs as its SM count, and the kernel tells this grid
 # from stream_k_tiles' by its cut count alone: stream_k_tiles cuts only calls of more units
 # than SMs.
-SPLIT_MIN_PIECE_KEYS = 1024  # keys a piece visits at least beyond two pieces (a tile start and a merge each)
+# keys a piece visits at least beyond two pieces (a tile start and a merge each): 512 (H200,
+# docs section 49: against 1024, time 0.86-0.96 where it gives more pieces at Dv <= 128); causal
+# chunks keep 1024, which their bound on queries needs (fast/sm90 _causal_split_max_seqlen_q),
+# and so does Dv > 128 (fast/sm90 _split_piece_keys)
+SPLIT_MIN_PIECE_KEYS = 512
+SPLIT_MIN_PIECE_KEYS_CAUSAL = 1024
 SPLIT_MAX_PIECES = 8  # the last piece reads every record: its merge grows with the count
 
 

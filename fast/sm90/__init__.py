@@ -29,7 +29,7 @@ import torch
 from dualattn import dispatch
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
-from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_KEYS, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
+from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_KEYS, SPLIT_MIN_PIECE_KEYS_CAUSAL, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
                                               STREAM_K_MIN_KEYS_NARROW, heads_per_section,
                                               paired_unit_blocks, paired_units, split_tail_plan,
                                               stream_k_tiles, split_pieces, stream_k_grid)
@@ -267,10 +267,15 @@ def _causal_3wg_fills_grid(spec) -> bool:
 CAUSAL_SPLIT_MAX_SEQLEN_Q = 512  # see _causal_split_grid
 
 
-def _split_piece_keys() -> int:
-    """Keys a piece of a split unit keeps at least (tile_order.split_pieces), read at call time:
-    the property campaign lowers it to reach many pieces at small shapes."""
-    return int(_SPLIT_PIECE_KEYS_ENV) if _SPLIT_PIECE_KEYS_ENV else SPLIT_MIN_PIECE_KEYS
+def _split_piece_keys(causal: bool, head_dim_v: int = 128) -> int:
+    """Keys a piece of a split unit keeps at least (tile_order.split_pieces): causal chunks
+    SPLIT_MIN_PIECE_KEYS_CAUSAL, and so Dv > 128, whose merge reads wider records (H200, docs
+    section 49: hd256 200 x 4k x 4 heads on 8 pieces, not 4, time 1.017-1.019); the rest
+    SPLIT_MIN_PIECE_KEYS. Read at call time: the property campaign draws it to reach many pieces
+    at small shapes."""
+    if _SPLIT_PIECE_KEYS_ENV:
+        return int(_SPLIT_PIECE_KEYS_ENV)
+    return SPLIT_MIN_PIECE_KEYS_CAUSAL if causal or head_dim_v > 128 else SPLIT_MIN_PIECE_KEYS
 
 
 def _causal_split_max_seqlen_q(tile_n: int) -> int:
@@ -281,11 +286,11 @@ def _causal_split_max_seqlen_q(tile_n: int) -> int:
     piece holds a key the tile sees while K - t + 1 >= t + h, i.e. seqlen_q <= K - 2 t + 2
     (512 of 770 at K = 1024, t = 128). ``tile_n``: _tile_config's key tile, the widest the config
     gives the head dims (its narrow hd256 / hd192 tiles are shorter)."""
-    return max(0, min(CAUSAL_SPLIT_MAX_SEQLEN_Q, _split_piece_keys() - 2 * tile_n + 2))
+    return max(0, min(CAUSAL_SPLIT_MAX_SEQLEN_Q, _split_piece_keys(True) - 2 * tile_n + 2))
 
 
 # the default piece size leaves every key tile up to 128 the whole 512 queries
-assert SPLIT_MIN_PIECE_KEYS - 2 * 128 + 2 >= CAUSAL_SPLIT_MAX_SEQLEN_Q
+assert SPLIT_MIN_PIECE_KEYS_CAUSAL - 2 * 128 + 2 >= CAUSAL_SPLIT_MAX_SEQLEN_Q
 # "0": short causal chunks keep the pairs / one CTA per tile (_causal_split_grid; comparisons)
 _CAUSAL_SPLIT_ENV = os.environ.get("DUALATTN_SM90_CAUSAL_SPLIT", "")
 
@@ -302,7 +307,7 @@ def _gqa_pack(spec, tile_m: int) -> int:
 
 def _causal_split_grid(spec) -> bool:
     """Batched causal calls (no window, key ranges or CSR) of at most CAUSAL_SPLIT_MAX_SEQLEN_Q
-    queries against at least twice SPLIT_MIN_PIECE_KEYS keys, whose 128-row tiles (GQA heads
+    queries against at least twice SPLIT_MIN_PIECE_KEYS_CAUSAL keys, whose 128-row tiles (GQA heads
     packed) fit at most half the SMs: a chunk of a long prompt, or decoding through attention().
     A tile's rows lie within the last seqlen_q queries, so the causal limit hides fewer than
     seqlen_q of its keys from all of them: tiles of nearly equal work, which run on the
@@ -310,7 +315,7 @@ def _causal_split_grid(spec) -> bool:
     (tile_order.split_pieces), each large enough that the hidden keys never empty one
     (_causal_split_max_seqlen_q): a piece that never arrived would leave its tile unmerged
     (props/test_schedules.py checks this on drawn shapes)."""
-    piece_keys = _split_piece_keys()
+    piece_keys = _split_piece_keys(True)
     if not (_CAUSAL_SPLIT_ENV != "0" and spec.mode == "batched" and spec.causal and spec.window == (-1, -1)
             and not spec.has_key_ranges and not spec.has_block_sparse
             and spec.seqlen_q <= _causal_split_max_seqlen_q(_tile_config(spec.head_dim, spec.head_dim_v)[0])
@@ -1042,7 +1047,7 @@ class FastSm90Forward:
         pieces = 0
         if not cut and _SPLIT_UNITS_ENV != "0":
             pieces = split_pieces(units, num_sms, blocks, tile_n, min_keys, pairs=self.paired(spec),
-                                  min_piece_keys=_split_piece_keys(),
+                                  min_piece_keys=_split_piece_keys(spec.causal, spec.head_dim_v),
                                   **({"max_pieces": int(_SPLIT_UNITS_ENV)} if _SPLIT_UNITS_ENV else {}))
             cut = units if pieces else 0
         if not cut:
