@@ -678,10 +678,11 @@ def test_hd64_warpgroup_rules(monkeypatch):
 
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
-def test_short_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
-    """Causal calls of at most 512 queries and 2k keys whose tiles fit half of 132 SMs run the persistent grid
-    in the plain order (not pairs), with the stream-K merge compiled in, and each tile is cut
-    into pieces along the keys (tile_order.split_pieces); more tiles, more queries, a window or
+def test_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
+    """Causal calls of at least 2k keys whose tiles fit half of 132 SMs and whose first tile sees
+    half the keys run the persistent grid in the plain order (not pairs), with the stream-K merge
+    compiled in, and each tile is cut into pieces along the key blocks it sees (P at most the
+    first tile's blocks); more tiles, a first tile that sees under half the keys, a window or
     varlen keep the pairs / one CTA per tile. The plain-order causal config compiles for sm_90a
     with its merge's atomics."""
     import dualattn.fast.sm90 as sm90
@@ -698,9 +699,15 @@ def test_short_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
     decode = spec(4, 1, 8192, d=64)
     assert F.stream_k_plan(decode, torch.device("cuda")) == (32, 64, 4, 128)
     assert F.stream_k_plan(spec(1, 128, 32768), torch.device("cuda")) == (32, 256, 4, 128)
+    # a 1k chunk of 4 heads against 8k keys: 32 tiles of 57-64 blocks, four pieces each
+    assert F.stream_k_plan(spec(1, 1024, 8192, hq=4, hkv=4), torch.device("cuda")) == (32, 64, 4, 128)
+    # pieces bounded by the first tile's blocks: 2k x 2 heads against 4k keys sees 17 of 32
+    assert F.stream_k_plan(spec(1, 2048, 4096, hq=2, hkv=2, d=64), torch.device("cuda"))[2] == 4
     for other in (spec(64, 1, 8192), spec(1, 513, 32768), spec(1, 64, 32768, window=(1000, 0)),
-                  spec(1, 64, 2047, hq=8, hkv=8), spec(1, 512, 8192)):  # (the last: 128 tiles)
+                  spec(1, 64, 2047, hq=8, hkv=8), spec(1, 512, 8192),  # (the last: 128 tiles)
+                  spec(1, 2048, 3000, hq=2, hkv=2)):  # the first tile sees under half the keys
         assert not sm90._causal_split_grid(other)
+    assert F.paired(spec(1, 2048, 3000, hq=2, hkv=2))
     assert F.paired(spec(64, 1, 8192)) and not F.config(spec(1, 513, 32768))[5]
     ptx = F.compile_only(chunk, arch=90).__ptx__
     assert any(".acq_rel." in ln and "atom." in ln for ln in ptx.splitlines())

@@ -184,7 +184,7 @@ _case("split", 1, 70, 4000, 2, 2, 192, num_sms=40, dv=128, piece_keys=1024, piec
 _case("split", 1, 512, 4096, 8, 8, 128, pieces=4)                            # the real SM count
 _case("split", 1, 128, 32768, 32, 8, 128, pieces=4)
 _case("split", 1, 1, 16384, 32, 8, 128, pieces=8)
-# causal chunks of at most 512 queries (sm90._causal_split_grid): the plain order's tiles cut whole
+# causal chunks (sm90._causal_split_grid): the plain order's tiles, each cut along the key blocks it sees
 _case("split", 1, 64, 5000, 32, 8, 128, "bfloat16", True, pieces=5)      # packed: 2 query blocks a head
 _case("split", 1, 1, 9000, 32, 8, 128, "bfloat16", True, pieces=8)       # one query (decoding)
 _case("split", 2, 33, 3000, 8, 2, 64, "bfloat16", True, pieces=3)
@@ -193,6 +193,11 @@ _case("split", 1, 64, 2500, 6, 2, 96, "bfloat16", True, softcap=12.0, pieces=2)
 _case("split", 1, 20, 2100, 4, 1, 128, "bfloat16", True, num_sms=40, pieces=2)
 _case("split", 1, 300, 4000, 4, 2, 128, "bfloat16", True, num_sms=64, pieces=4)   # 3 query blocks a head
 _case("split", 1, 512, 2048, 4, 4, 64, "bfloat16", True, num_sms=48, pieces=2)    # 512 queries, 2k keys
+_case("split", 1, 1024, 8192, 4, 4, 128, "bfloat16", True, pieces=4)     # 1k chunk: tiles of 57-64 blocks
+_case("split", 1, 2048, 4096, 2, 2, 64, "bfloat16", True, pieces=4)      # 17-32 blocks, P from the first
+_case("split", 1, 700, 3000, 3, 1, 96, "float16", True, num_sms=40, softcap=8.0, pieces=2)
+_case("split", 2, 1000, 2500, 2, 2, 256, "bfloat16", True, num_sms=64, piece_keys=256, pieces=2)
+_case("split", 1, 1500, 2900, 2, 2, 128, "bfloat16", True, num_sms=120, piece_keys=128, pieces=5)  # 12-23 blocks
 _case("chunk", 1, 64, 64, 4, 4, 128, "bfloat16", True)                  # too few keys to cut
 _case("chunk", 1, 40, 1500, 8, 2, 64, "float16", True)
 _case("split-off", 1, 500, 2100, 4, 2, 128, num_sms=40, split_units="0")

@@ -264,9 +264,6 @@ def _causal_3wg_fills_grid(spec) -> bool:
     return pairs >= rounds * _model_sm_count()
 
 
-CAUSAL_SPLIT_MAX_SEQLEN_Q = 512  # see _causal_split_grid
-
-
 def _split_piece_keys(causal: bool, head_dim_v: int = 128) -> int:
     """Keys a piece of a split unit keeps at least (tile_order.split_pieces): causal chunks
     SPLIT_MIN_PIECE_KEYS_CAUSAL, and so Dv > 128, whose merge reads wider records (H200, docs
@@ -278,19 +275,6 @@ def _split_piece_keys(causal: bool, head_dim_v: int = 128) -> int:
     return SPLIT_MIN_PIECE_KEYS_CAUSAL if causal or head_dim_v > 128 else SPLIT_MIN_PIECE_KEYS
 
 
-def _causal_split_max_seqlen_q(tile_n: int) -> int:
-    """Queries of a causal chunk whose tiles may be cut into pieces (_causal_split_grid). A piece
-    holds at least floor(K / t) whole key blocks of t keys, so K - t + 1 keys or more (K: the keys
-    a piece keeps, split_pieces); the causal limit hides h <= seqlen_q - 1 keys from a tile's
-    last row, and the key tail can leave all but one key of the last block empty. So the last
-    piece holds a key the tile sees while K - t + 1 >= t + h, i.e. seqlen_q <= K - 2 t + 2
-    (512 of 770 at K = 1024, t = 128). ``tile_n``: _tile_config's key tile, the widest the config
-    gives the head dims (its narrow hd256 / hd192 tiles are shorter)."""
-    return max(0, min(CAUSAL_SPLIT_MAX_SEQLEN_Q, _split_piece_keys(True) - 2 * tile_n + 2))
-
-
-# the default piece size leaves every key tile up to 128 the whole 512 queries
-assert SPLIT_MIN_PIECE_KEYS_CAUSAL - 2 * 128 + 2 >= CAUSAL_SPLIT_MAX_SEQLEN_Q
 # "0": short causal chunks keep the pairs / one CTA per tile (_causal_split_grid; comparisons)
 _CAUSAL_SPLIT_ENV = os.environ.get("DUALATTN_SM90_CAUSAL_SPLIT", "")
 
@@ -305,21 +289,31 @@ def _gqa_pack(spec, tile_m: int) -> int:
     return g if _PACK_GQA_ENV == "1" or spec.seqlen_q <= PACK_GQA_MAX_SEQLEN_Q else 1
 
 
+def _causal_first_tile_keys(spec) -> int:
+    """Keys the first 128-row query tile of a batched causal call sees (its last row's; GQA heads
+    packed as _gqa_pack packs them): the fewest of any tile."""
+    g = _gqa_pack(spec, 128)
+    q_end = min(128 // g, spec.seqlen_q)  # the first tile's last row, as a query position, plus 1
+    return max(spec.seqlen_k - spec.seqlen_q + q_end, 0)
+
+
 def _causal_split_grid(spec) -> bool:
-    """Batched causal calls (no window, key ranges or CSR) of at most CAUSAL_SPLIT_MAX_SEQLEN_Q
-    queries against at least twice SPLIT_MIN_PIECE_KEYS_CAUSAL keys, whose 128-row tiles (GQA heads
-    packed) fit at most half the SMs: a chunk of a long prompt, or decoding through attention().
-    A tile's rows lie within the last seqlen_q queries, so the causal limit hides fewer than
-    seqlen_q of its keys from all of them: tiles of nearly equal work, which run on the
-    persistent grid in the plain order (not pairs), each cut into pieces along the keys
-    (tile_order.split_pieces), each large enough that the hidden keys never empty one
-    (_causal_split_max_seqlen_q): a piece that never arrived would leave its tile unmerged
-    (props/test_schedules.py checks this on drawn shapes)."""
-    piece_keys = _split_piece_keys(True)
+    """Batched causal calls (no window, key ranges or CSR) against at least twice
+    SPLIT_MIN_PIECE_KEYS_CAUSAL keys (and stream-K's minimum for a tile) whose 128-row tiles (GQA heads packed) fit at most half the
+    SMs, and whose first tile sees two key blocks or more and half the keys: a chunk of a long
+    prompt, or decoding through attention(). They run on the persistent grid in the plain order (not pairs), every
+    tile cut into P pieces along the key blocks it sees itself (FlashFwdSm90.item_coords; P at
+    most the first tile's blocks, FastSm90Forward.stream_k_plan), so no piece is empty (a piece
+    that never arrived would leave its tile unmerged) and each tile's work is shared out evenly.
+    Pairs cut in two give a CTA half a pair, (heaviest + lightest) / 2 blocks; this gives
+    heaviest / P, with P >= 2 and twice the CTAs (a merge each): from lightest >= heaviest / 2
+    (half the keys) the tiles are even enough. props/test_schedules.py checks the plans on drawn
+    shapes."""
     if not (_CAUSAL_SPLIT_ENV != "0" and spec.mode == "batched" and spec.causal and spec.window == (-1, -1)
             and not spec.has_key_ranges and not spec.has_block_sparse
-            and spec.seqlen_q <= _causal_split_max_seqlen_q(_tile_config(spec.head_dim, spec.head_dim_v)[0])
-            and spec.seqlen_k >= 2 * piece_keys):
+            and spec.seqlen_k >= max(2 * _split_piece_keys(True), _stream_k_min_keys(spec.head_dim <= 128))
+            and _causal_first_tile_keys(spec) > _tile_config(spec.head_dim, spec.head_dim_v)[0]
+            and 2 * _causal_first_tile_keys(spec) >= spec.seqlen_k):
         return False
     g = _gqa_pack(spec, 128)
     units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
@@ -1040,15 +1034,20 @@ class FastSm90Forward:
             return none
         tile_n = self.config(spec)[1]
         min_keys = _stream_k_min_keys(self._stream_k_narrow(spec))
-        # (short causal chunks: only whole tiles split into pieces, split_pieces; a tail's cut
-        # could put a piece among the keys the causal limit hides)
-        cut = 0 if _causal_split_grid(spec) else stream_k_tiles(units, min(units, num_sms), blocks,
-                                                                tile_n, min_keys)
+        # (causal chunks: only whole tiles split into pieces, split_pieces; a tail's cut could
+        # put a piece among the keys the causal limit hides)
+        causal_split = _causal_split_grid(spec)
+        cut = 0 if causal_split else stream_k_tiles(units, min(units, num_sms), blocks, tile_n, min_keys)
         pieces = 0
         if not cut and _SPLIT_UNITS_ENV != "0":
             pieces = split_pieces(units, num_sms, blocks, tile_n, min_keys, pairs=self.paired(spec),
                                   min_piece_keys=_split_piece_keys(spec.causal, spec.head_dim_v),
                                   **({"max_pieces": int(_SPLIT_UNITS_ENV)} if _SPLIT_UNITS_ENV else {}))
+            if causal_split:
+                # each tile cut along the blocks it sees (FlashFwdSm90.item_coords), the first
+                # tile the fewest: a piece of every tile holds one at least
+                pieces = min(pieces, self.paired_key_blocks(spec)(0))
+                pieces = pieces if pieces >= 2 else 0
             cut = units if pieces else 0
         if not cut:
             return none

@@ -840,10 +840,24 @@ class FlashFwdSm90:
             lin = dp_end + slot
         (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
          offset_k, active) = self.tile_coords(lin, mQ, mK, win_left, win_right, vl, window=window)
+        cut = (start > 0) | (end < n_blocks)
+        if const_expr(self.mask_right):
+            if sk_tiles > 0 and gx > sk_tiles and valid:
+                # every tile cut into P = gx / sk_tiles pieces (tile_order.split_pieces; a tail
+                # cut has sk_tiles >= gx): piece p of a causal tile is its share of the key
+                # blocks the tile itself visits, so none is empty (the launch gives every tile
+                # P blocks at least, FastSm90Forward.stream_k_plan) and the tiles' unequal
+                # lengths are shared out evenly within each tile
+                pieces = gx // sk_tiles
+                p = cute.arch.block_idx()[0] - slot * pieces
+                visible = n_block_max - n_block_min
+                start = n_block_min + p * visible // pieces
+                end = n_block_min + (p + 1) * visible // pieces
+                cut = Boolean(True)
         n_block_min = cutlass.max(n_block_min, start)
         n_block_max = cutlass.min(n_block_max, end)
         return (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k,
-                offset_q, offset_k, active & valid, (start > 0) | (end < n_blocks), slot)
+                offset_q, offset_k, active & valid, cut, slot)
 
     @cute.jit
     def paired_item_coords(self, tile, mQ, mK, win_left, win_right, sk):
