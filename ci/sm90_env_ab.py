@@ -1,5 +1,6 @@
 """fast-sm90 A/B of two knob settings on given dense cells (GPU only): CUDA-graph replays of both
-kernels, captured once each, timed interleaved in five rounds (medians; L2 flushed before each).
+kernels, captured once each, timed interleaved in six rounds, the order turned every round
+(medians; L2 flushed before each).
 
     python ci/sm90_env_ab.py A B CELL...
     python ci/sm90_env_ab.py "" "_STAGING_PER_TILE_ENV=0" 16,1024,16,128,0 4,4096,32,64,0
@@ -85,8 +86,10 @@ def main(a: str, b: str, cells) -> None:
             graphs[name] = B.cuda_graph_replay(runner.fn)
         clear(a, b)
         ms = {"A": [], "B": []}
-        for _ in range(5):
-            for name in ("A", "B"):
+        # A B, B A, ... : a fixed order read 1-2 % against the second on a cell whose two
+        # settings run one kernel (docs section 49: 1.017-1.018, 1.001 with the order swapped)
+        for r in range(6):
+            for name in (("A", "B") if r % 2 == 0 else ("B", "A")):
                 ms[name].append(timer.time_ms(graphs[name])[0])
         ta, tb = statistics.median(ms["A"]), statistics.median(ms["B"])
         print(f"{text:22s} {cell.label():45s} A {flops / ta / 1e9:7.1f}  B {flops / tb / 1e9:7.1f} TFLOP/s  "
