@@ -368,8 +368,7 @@ def stream_k_tiles(num_tiles, num_ctas, blocks_per_tile, tile_n, min_keys=STREAM
 # than SMs.
 # keys a piece visits at least beyond two pieces (a tile start and a merge each): 512 (H200,
 # docs section 49: against 1024, time 0.86-0.96 where it gives more pieces at Dv <= 128); causal
-# chunks keep 1024, which their bound on queries needs (fast/sm90 _causal_split_max_seqlen_q),
-# and so does Dv > 128 (fast/sm90 _split_piece_keys)
+# chunks (0.99-1.04 at 512) and Dv > 128 (1.017-1.019) keep 1024 (fast/sm90 _split_piece_keys)
 SPLIT_MIN_PIECE_KEYS = 512
 SPLIT_MIN_PIECE_KEYS_CAUSAL = 1024
 SPLIT_MAX_PIECES = 8  # the last piece reads every record: its merge grows with the count

@@ -291,7 +291,8 @@ def _gqa_pack(spec, tile_m: int) -> int:
 
 def _causal_first_tile_keys(spec) -> int:
     """Keys the first 128-row query tile of a batched causal call sees (its last row's; GQA heads
-    packed as _gqa_pack packs them): the fewest of any tile."""
+    packed as _gqa_pack packs them): the fewest of any tile. FastSm90Forward.paired_key_blocks(0)
+    in keys, without the config, which reads _causal_split_grid."""
     g = _gqa_pack(spec, 128)
     q_end = min(128 // g, spec.seqlen_q)  # the first tile's last row, as a query position, plus 1
     return max(spec.seqlen_k - spec.seqlen_q + q_end, 0)
@@ -299,21 +300,21 @@ def _causal_first_tile_keys(spec) -> int:
 
 def _causal_split_grid(spec) -> bool:
     """Batched causal calls (no window, key ranges or CSR) against at least twice
-    SPLIT_MIN_PIECE_KEYS_CAUSAL keys (and stream-K's minimum for a tile) whose 128-row tiles (GQA heads packed) fit at most half the
-    SMs, and whose first tile sees two key blocks or more and half the keys: a chunk of a long
-    prompt, or decoding through attention(). They run on the persistent grid in the plain order (not pairs), every
-    tile cut into P pieces along the key blocks it sees itself (FlashFwdSm90.item_coords; P at
-    most the first tile's blocks, FastSm90Forward.stream_k_plan), so no piece is empty (a piece
-    that never arrived would leave its tile unmerged) and each tile's work is shared out evenly.
-    Pairs cut in two give a CTA half a pair, (heaviest + lightest) / 2 blocks; this gives
-    heaviest / P, with P >= 2 and twice the CTAs (a merge each): from lightest >= heaviest / 2
-    (half the keys) the tiles are even enough. props/test_schedules.py checks the plans on drawn
-    shapes."""
+    SPLIT_MIN_PIECE_KEYS_CAUSAL keys (and stream-K's minimum for a tile) whose 128-row tiles (GQA
+    heads packed) fit at most half the SMs, and whose first tile sees two key blocks or more and
+    half the keys: a chunk of a long prompt, or decoding through attention(). They run on the
+    persistent grid in the plain order (not pairs), every tile cut into P pieces along the key
+    blocks it sees itself (FlashFwdSm90.item_coords; P at most the first tile's blocks,
+    FastSm90Forward.stream_k_plan), so no piece is empty (a piece that never arrived would leave
+    its tile unmerged) and each tile's work is shared out evenly. Pairs cut in two give a CTA
+    half a pair, (heaviest + lightest) / 2 blocks; this gives heaviest / P, with P >= 2 and twice
+    the CTAs (a merge each): from lightest >= heaviest / 2 (half the keys) the tiles are even
+    enough. props/test_schedules.py checks the plans on drawn shapes."""
+    first_keys = _causal_first_tile_keys(spec)
     if not (_CAUSAL_SPLIT_ENV != "0" and spec.mode == "batched" and spec.causal and spec.window == (-1, -1)
             and not spec.has_key_ranges and not spec.has_block_sparse
             and spec.seqlen_k >= max(2 * _split_piece_keys(True), _stream_k_min_keys(spec.head_dim <= 128))
-            and _causal_first_tile_keys(spec) > _tile_config(spec.head_dim, spec.head_dim_v)[0]
-            and 2 * _causal_first_tile_keys(spec) >= spec.seqlen_k):
+            and first_keys > _tile_config(spec.head_dim, spec.head_dim_v)[0] and 2 * first_keys >= spec.seqlen_k):
         return False
     g = _gqa_pack(spec, 128)
     units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
