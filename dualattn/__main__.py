@@ -70,7 +70,88 @@ def _check_row(rows, name, dt, call, impl, dout, refs, gpu) -> int:
         return 1
 
 
-def cmd_check(args) -> int:
+def _family_impls(spec, fam):
+    """(impl that takes the whole call, the family's forward kernel, reasons) for a family. The
+    forward kernel is what an inference call (no grad) of the family runs, which can differ from
+    the one that also takes the backward (on Hopper, "fast" is fast-sm90 for inference and
+    fast-sm120-train for training): check gives both a row."""
+    from . import dispatch
+    impl, reasons = dispatch.family_reasons(spec, fam)
+    fwd_impl = impl
+    if spec.needs_grad:
+        from dataclasses import replace
+        fwd_impl, _ = dispatch.family_reasons(replace(spec, needs_grad=False), fam)
+    return impl, fwd_impl, reasons
+
+
+def _check_jobs(value: str) -> int:
+    """--jobs: processes that compile the check's kernels before it runs (auto: half the CPUs, at
+    most 8; 0 or 1: none, each kernel compiles at its first row)."""
+    if value == "auto":
+        return min(8, (os.cpu_count() or 2) // 2)
+    return int(value)
+
+
+def _warm_caches(args, argv, n_work: int) -> None:
+    """Compile every kernel the check will run before it runs, in ``--jobs`` processes at once.
+
+    Compiling dominates a first check on a GPU machine (CuTe DSL kernels 2-5 s each and Triton
+    kernels 1-2 s, single-threaded, about 70 % of a cold run), and every compiled kernel lands in
+    an on-disk cache (dualattn's compile cache, Triton's own) that the rows then load in a fraction
+    of a second. Each worker takes every n-th row of the same work list and runs its
+    implementations once (forward and, where taken, backward) without the oracle; anything that
+    fails there is left for the row itself to report. Nothing to share without the disk cache."""
+    from .fast.common.compile_cache import cache_dir
+    jobs = _check_jobs(getattr(args, "jobs", "auto"))
+    if jobs <= 1 or n_work < 2 or cache_dir() is None:
+        return
+    jobs = min(jobs, n_work)
+    t0 = time.perf_counter()
+    if os.environ.get("DUALATTN_PROGRESS", "1") != "0":
+        sys.stderr.write(f"compiling the kernels of {n_work} rows in {jobs} processes ...\n")
+    env = dict(os.environ, DUALATTN_PROGRESS="0")
+    procs = [subprocess.Popen([sys.executable, "-m", "dualattn", "check", *argv, "--warm-part", f"{k}/{jobs}"],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for k in range(1, jobs + 1)]
+    for proc in procs:
+        proc.wait()
+    if os.environ.get("DUALATTN_PROGRESS", "1") != "0":
+        sys.stderr.write(f"compiled in {time.perf_counter() - t0:.0f} s\n")
+
+
+def _warm_share(work, families, device, large, args) -> int:
+    """A _warm_caches worker: run each row's implementations once, so their kernels compile into
+    the disk caches; no oracle, no checks, errors ignored (the row reports them)."""
+    import torch
+
+    from . import cases
+    for case, dt in work:
+        try:
+            call = cases.make_call(case, device, dt, large, seed=args.seed, backward=not args.no_backward)
+        except Exception:
+            continue
+        dout = None
+        if call.spec.needs_grad:
+            dout = torch.randn(call.q.shape[:-1] + (call.v.shape[-1],), device=device, dtype=dt)
+        for fam in families:
+            impl, fwd_impl, _ = _family_impls(call.spec, fam)
+            for one in {i.name: i for i in (impl, fwd_impl) if i is not None}.values():
+                try:
+                    c2 = call
+                    if call.spec.needs_grad and one.can_implement(call.spec) is not None:
+                        from dataclasses import replace
+                        c2 = replace(call, spec=replace(call.spec, needs_grad=False))
+                    out, lse = one.forward(c2)
+                    if c2.spec.needs_grad:
+                        one.backward(c2, out, lse, dout)
+                except Exception:
+                    pass
+        if device == "cuda":
+            torch.cuda.synchronize()
+    return 0
+
+
+def cmd_check(args, argv_of_check=()) -> int:
     _prepare_triton_env()
     import torch
 
@@ -89,6 +170,12 @@ def cmd_check(args) -> int:
             raise SystemExit(f"--part: expected k/n with 1 <= k <= n, got {args.part!r}")
         selected = selected[k - 1::n]
     work = [(c, dt) for c in selected for dt in dtypes]
+    warm_part = getattr(args, "warm_part", None)
+    if warm_part:  # a worker of _warm_caches: compile this share of the work, check nothing
+        k, n = (int(x) for x in warm_part.split("/"))
+        return _warm_share(work[k - 1::n], families, device, large, args)
+    if gpu:
+        _warm_caches(args, argv_of_check, len(work))
     rows, failures = [], 0
     notes = []  # why a family serves none of a row (n/a), in full
     for i, (case, dt) in enumerate(work):
@@ -105,14 +192,7 @@ def cmd_check(args) -> int:
             failures += 1
             continue
         for fam in families:
-            impl, reasons = dispatch.family_reasons(call.spec, fam)
-            # the family's forward kernel: what an inference call (no grad) of this family runs,
-            # which can differ from the one that also takes the backward (on Hopper, "fast" is
-            # fast-sm90 for inference and fast-sm120-train for training): both get a row
-            fwd_impl = impl
-            if call.spec.needs_grad:
-                from dataclasses import replace
-                fwd_impl, _ = dispatch.family_reasons(replace(call.spec, needs_grad=False), fam)
+            impl, fwd_impl, reasons = _family_impls(call.spec, fam)
             if impl is None:
                 impl = fwd_impl  # a fam that cannot take the backward may still take the forward
                 if impl is None:
@@ -205,6 +285,10 @@ def main(argv=None) -> int:
     c.add_argument("--no-backward", action="store_true")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--part", help="k/n: every n-th variant from the k-th (split a long run)")
+    c.add_argument("--jobs", default="auto",
+                   help="processes that compile the kernels first, on a GPU (default auto: half the "
+                        "CPUs, at most 8; 0: none)")
+    c.add_argument("--warm-part", help=argparse.SUPPRESS)  # a --jobs worker's share: k/n
     sub.add_parser("info", help="GPU, arch, implementations and what they serve")
     d = sub.add_parser("diff", help="replay a repro file against the oracle")
     d.add_argument("repro")
@@ -216,6 +300,8 @@ def main(argv=None) -> int:
     f.add_argument("pytest_args", nargs="*")
     sub.add_parser("bench", help="side-by-side benchmark (see python -m dualattn bench --help)")
     args = p.parse_args(argv)
+    if args.cmd == "check":
+        return cmd_check(args, [a for a in argv[1:]])
     return {"check": cmd_check, "info": cmd_info, "diff": cmd_diff, "fuzz": cmd_fuzz}[args.cmd](args)
 
 

@@ -267,6 +267,71 @@ def test_check_part_splits_the_variants(capsys):
                                          seed=0, part="4/3"))
 
 
+def test_check_compiles_first_in_jobs_processes(monkeypatch, tmp_path):
+    """On a GPU, `check` first starts --jobs processes that each run a share of its rows (the
+    same arguments plus --warm-part k/n) to fill the on-disk compile caches; none without the
+    disk cache, with --jobs 0 or 1, and never more processes than rows."""
+    import argparse
+
+    from dualattn import __main__ as cli
+    started = []
+
+    class Proc:
+        def __init__(self, cmd, **kw):
+            started.append(cmd)
+
+        def wait(self):
+            return 0
+    monkeypatch.setattr(cli.subprocess, "Popen", Proc)
+    monkeypatch.setenv("DUALATTN_CACHE_DIR", str(tmp_path))
+    cli._warm_caches(argparse.Namespace(jobs="3"), ["--filter", "dense"], 5)
+    assert [c[c.index("check"):] for c in started] == [
+        ["check", "--filter", "dense", "--warm-part", f"{k}/3"] for k in (1, 2, 3)]
+    started.clear()
+    cli._warm_caches(argparse.Namespace(jobs="8"), [], 2)
+    assert [c[-1] for c in started] == ["1/2", "2/2"]
+    for jobs, env in (("0", str(tmp_path)), ("1", str(tmp_path)), ("4", "off")):
+        started.clear()
+        monkeypatch.setenv("DUALATTN_CACHE_DIR", env)
+        cli._warm_caches(argparse.Namespace(jobs=jobs), [], 10)
+        assert started == []
+    assert 1 <= cli._check_jobs("auto") <= 8
+
+
+def test_check_warm_part_runs_its_share_of_rows_once_and_checks_nothing(monkeypatch, capsys):
+    """A --jobs worker (--warm-part k/n) runs the implementations of every n-th row from the k-th
+    once, forward and backward, with no oracle and no table: the shares together are the run."""
+    import argparse
+
+    from dualattn import __main__ as cli, accuracy, cases, dispatch
+    torch_impl = dispatch.implementations("torch")[0]
+    calls = []
+
+    class Counting:
+        name = "counting"
+
+        def can_implement(self, spec):
+            return None
+
+        def forward(self, call):
+            calls.append(("fwd", call.spec.seqlen_q, call.spec.seqlen_k))
+            return torch_impl.forward(call)
+
+        def backward(self, call, out, lse, dout):
+            calls.append(("bwd", call.spec.seqlen_q, call.spec.seqlen_k))
+            return torch_impl.backward(call, out, lse, dout)
+    monkeypatch.setattr(dispatch, "family_reasons", lambda spec, family: (Counting(), []))
+    monkeypatch.setattr(accuracy, "reference_pair", lambda *a, **k: pytest.fail("a worker ran the oracle"))
+    for k in (1, 2):
+        args = argparse.Namespace(impls="torch", dtypes="float32", filter="dense", small=True, no_backward=False,
+                                  seed=0, part=None, warm_part=f"{k}/2")
+        assert cli.cmd_check(args) == 0
+    assert capsys.readouterr().out == ""
+    n_rows = sum(1 for c in cases.CASES if "dense" in c.name)
+    assert sum(1 for c in calls if c[0] == "fwd") == n_rows
+    assert sum(1 for c in calls if c[0] == "bwd") == n_rows
+
+
 def test_cli_diff_exit_codes(broken_fast, tmp_path):
     q, k, v = qkv(sq=24, sk=24)
     call = S.build_dense(q, k, v, causal=True)
