@@ -74,6 +74,7 @@ _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .nar
 _NARROW_LAST_ENV = os.environ.get("DUALATTN_SM90_NARROW_LAST", "")  # see .narrow_last
 _TILE_DECODER_ENV = os.environ.get("DUALATTN_SM90_TILE_DECODER", "")  # see .tile_decoder
 _STMATRIX_O_ENV = os.environ.get("DUALATTN_SM90_STMATRIX_O", "")  # see .stmatrix_o
+_MERGE_LIVE_ROWS_ENV = os.environ.get("DUALATTN_SM90_MERGE_LIVE_ROWS", "")  # see .merge_live_rows
 _WARP_STORE_O_ENV = os.environ.get("DUALATTN_SM90_WARP_STORE_O", "")  # see .warp_store_o
 _L2_HINTS_ENV = os.environ.get("DUALATTN_SM90_L2_HINTS", "")  # see .l2_hints
 # diagnostics only, set by ci/phase_trace.py (never an environment variable: a traced kernel
@@ -619,6 +620,14 @@ class FastSm90Forward:
         return applies and _TILE_DECODER_ENV != "0"
 
     @staticmethod
+    def merge_live_rows(spec) -> bool:
+        """Stream-K merges (stream_k configs) move only the warps' rows inside the sequence
+        (FlashFwdSm90.warp_rows_live): a cut tile's pieces write and read the workspace for the
+        live rows alone, which packed GQA decode (4 live rows of 128) and short last tiles leave
+        few of. DUALATTN_SM90_MERGE_LIVE_ROWS=0 moves every row (for comparisons)."""
+        return _MERGE_LIVE_ROWS_ENV != "0"
+
+    @staticmethod
     def stmatrix_o(spec) -> bool:
         """O staged in shared memory for its TMA store by stmatrix (four 8 x 8 matrices of
         16-bit values per warp instruction) instead of 32-bit shared stores: hd128, 32 -> 8
@@ -708,7 +717,7 @@ class FastSm90Forward:
                 self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.warp_store_o(spec), self.l2_hints(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch), self.window_order(spec),
-                self.narrow_last(spec), self.key_split(spec))
+                self.narrow_last(spec), self.key_split(spec), self.merge_live_rows(spec))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -1145,7 +1154,8 @@ class FastSm90Forward:
                             stmatrix_o=self.stmatrix_o(spec),
                             warp_store_o=self.warp_store_o(spec),
                             l2_hints=self.l2_hints(spec), window_order=self.window_order(spec),
-                            narrow_last=self.narrow_last(spec), key_split=self.key_split(spec))
+                            narrow_last=self.narrow_last(spec), key_split=self.key_split(spec),
+                            merge_live_rows=self.merge_live_rows(spec))
 
     @staticmethod
     def arg_schema(spec):

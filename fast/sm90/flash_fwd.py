@@ -235,7 +235,8 @@ class FlashFwdSm90:
                  shared_o_slot: bool = False, staging_per_tile: bool = True,
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
                  stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False,
-                 window_order: bool = False, narrow_last: bool = False, key_split: bool = False):
+                 window_order: bool = False, narrow_last: bool = False, key_split: bool = False,
+                 merge_live_rows: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -424,6 +425,11 @@ class FlashFwdSm90:
         assert not key_split or (pass_empty_wg and wg_epilogue and not (causal or window_left or window_right)
                                  and not varlen and pack_gqa == 1 and not q_regs and overlap)
         self.key_split = key_split
+        # stream-K merges: a warp whose 16 rows of the tile all lie past the sequence's end (a
+        # last query tile; packed GQA decode: 4 live rows of 128) neither writes its state to
+        # the workspace nor reads the others' (those rows are never stored), so a merge moves the
+        # tile's live rows, not all 128
+        self.merge_live_rows = merge_live_rows and stream_k
         # where the turned order can apply: the non-causal batched order of the persistent grid
         self.turned_order = self.rotate_m_blocks and persistent and not (self.mask_right or varlen)
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
@@ -1661,15 +1667,16 @@ class FlashFwdSm90:
                     # a cut tile's piece: the one finishing second merges both and stores the tile
                     finish = stores
                     if cut:
+                        live = self.warp_rows_live(m_block, wg, tidx, seqlen_q)
                         if sk_pieces > 2:  # CTA pieces * slot + p holds piece p of tile slot
                             finish = self.stream_k_merge_pieces(
                                 sk, sk_slot, cute.arch.block_idx()[0] - sk_pieces * sk_slot, sk_pieces,
                                 acc_O, acc_O_mn, row_max, row_sum, softmax_scale_log2, tidx, wg, epi_bar,
-                                epi_threads, sk_flag)
+                                epi_threads, sk_flag, live)
                         else:
                             finish = self.stream_k_merge(sk, sk_slot, acc_O, acc_O_mn, row_max, row_sum,
                                                          softmax_scale_log2, tidx, wg, epi_bar, epi_threads,
-                                                         sk_flag)
+                                                         sk_flag, live)
                     if finish:
                         self.epilogue(tma_atom_O, mO, mLSE, sO, acc_O, acc_O_mn, row_max, row_sum, lse,
                                       tScS_mn, tiled_copy_O, sO_mn, softmax_scale_log2, m_block,
@@ -1729,8 +1736,17 @@ class FlashFwdSm90:
         return sk[0], sk[1].iterator + record, record, group, tidx % epi_threads, state_stride
 
     @cute.jit
+    def warp_rows_live(self, m_block, wg, tidx, seqlen_q):
+        """Whether this thread's warp holds a row of the tile inside the sequence (its 16 rows of
+        the warpgroup's 64 start at 16 x warp); always True without merge_live_rows. Warp-uniform."""
+        live = Boolean(True)
+        if const_expr(self.merge_live_rows):
+            live = m_block * self.tile_m + 64 * wg + 16 * ((tidx % 128) // 32) < seqlen_q
+        return live
+
+    @cute.jit
     def stream_k_merge(self, sk, slot, acc_O, acc_O_mn, row_max, row_sum, scale_log2, tidx, wg,
-                       epi_bar, epi_threads, sk_flag):
+                       epi_bar, epi_threads, sk_flag, live):
         """One piece of a cut tile (stream-K) meets the other; True for the one that finishes
         second, which then holds the whole tile's online-softmax state and stores it.
 
@@ -1747,7 +1763,9 @@ class FlashFwdSm90:
           reads the record its twin (same thread of the other piece: same rows and columns)
           wrote, and merges: max, then the two states scaled and added with products rounded
           apart (mul_rn), which is symmetric in the two pieces, so the result is bitwise the
-          same whichever finished first."""
+          same whichever finished first.
+        A warp with no ``live`` row (merge_live_rows) skips its writes and reads; it still takes
+        part in the group's barriers and counter."""
         ws, counter, record, group, gt, state_stride = self.merge_record(sk, slot, acc_O, row_max, tidx, wg,
                                                                         epi_threads)
         base = record * state_stride + gt
@@ -1756,7 +1774,8 @@ class FlashFwdSm90:
         cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
         second = sk_flag[group] != 0
         if not second:
-            write_state(lambda i, x: ws.__setitem__(base + i * epi_threads, x), acc_O, row_max, row_sum)
+            if live:
+                write_state(lambda i, x: ws.__setitem__(base + i * epi_threads, x), acc_O, row_max, row_sum)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
             if gt == 0:
@@ -1769,12 +1788,13 @@ class FlashFwdSm90:
                 cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
             cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
             cute.arch.fence_acq_rel_gpu()
-            merge_twin_state(lambda i: ws[base + i * epi_threads], acc_O_mn, row_max, row_sum, scale_log2)
+            if live:
+                merge_twin_state(lambda i: ws[base + i * epi_threads], acc_O_mn, row_max, row_sum, scale_log2)
         return second
 
     @cute.jit
     def stream_k_merge_pieces(self, sk, slot, piece, pieces, acc_O, acc_O_mn, row_max, row_sum,
-                              scale_log2, tidx, wg, epi_bar, epi_threads, sk_flag):
+                              scale_log2, tidx, wg, epi_bar, epi_threads, sk_flag, live):
         """Piece ``piece`` of the ``pieces`` (> 2) of a cut tile meets the others (a grid of
         ``pieces`` CTAs a tile, tile_order.split_pieces); True for the last to arrive, which then
         holds the whole tile's online-softmax state and stores it.
@@ -1786,12 +1806,14 @@ class FlashFwdSm90:
         ``pieces - 1`` came last: every other record was written before its writer's add, so
         it zeroes the counter (no one touches it after), fences, and merges the records in
         piece order (merge_states_in_order: the same bits whichever piece came last). No piece
-        waits for another: no deadlock, whatever the order the CTAs run in."""
+        waits for another: no deadlock, whatever the order the CTAs run in. A warp with no
+        ``live`` row (merge_live_rows) skips its writes and reads, not the barriers or the counter."""
         ws, counter, record, group, gt, state_stride = self.merge_record(sk, slot, acc_O, row_max, tidx, wg,
                                                                         epi_threads)
         base = record * pieces * state_stride + gt
         own = base + piece * state_stride
-        write_state(lambda i, x: ws.__setitem__(own + i * epi_threads, x), acc_O, row_max, row_sum)
+        if live:
+            write_state(lambda i, x: ws.__setitem__(own + i * epi_threads, x), acc_O, row_max, row_sum)
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
         if gt == 0:
@@ -1802,8 +1824,9 @@ class FlashFwdSm90:
             if gt == 0:
                 cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
             cute.arch.fence_acq_rel_gpu()
-            merge_states_in_order(ws, base, state_stride, epi_threads, pieces, acc_O_mn, row_max,
-                                  row_sum, scale_log2)
+            if live:
+                merge_states_in_order(ws, base, state_stride, epi_threads, pieces, acc_O_mn, row_max,
+                                      row_sum, scale_log2)
         return last
 
     @cute.jit
