@@ -144,6 +144,8 @@ def standard_matrix(kinds: Sequence[str] = KINDS, dtype: str = "bfloat16") -> Li
             cells.append(Cell("fwd", "chunk", 1, sq, 32768, 32, 8, 128, causal, dtype=dtype))
         # a 1k chunk of a tensor-parallel shard (8 query heads) against 16k keys: 64 tiles
         cells.append(Cell("fwd", "chunk", 1, 1024, 16384, 8, 2, 128, True, dtype=dtype))
+        # a 640-query chunk against 32k keys: 160 tiles, more than the SMs and fewer than twice
+        cells.append(Cell("fwd", "chunk", 1, 640, 32768, 32, 8, 128, True, dtype=dtype))
     if "decode" in kinds:
         for L in (8192, 16384, 32768, 65536, 131072):
             for b in (1, 8, 64):

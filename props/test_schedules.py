@@ -9,7 +9,8 @@ take those paths.
 
 * ``test_sm90_split_plans_leave_no_piece_empty`` (no GPU): the launch's plan for drawn shapes
   and grids never gives a unit a piece that holds none of the key blocks the unit visits. Such a
-  piece would never arrive at its tile's merge, and the tile would stay unstored.
+  piece would never arrive at its tile's merge, and the tile would stay unstored. The plans
+  include pieces in rounds (more CTAs than SMs, tile_order.wave_pieces).
 * ``test_fast_sm90_small_grids_match_oracle`` (Hopper): the kernel on drawn shapes and grids meets
   the accuracy rule and repeats bit for bit; the pieces' merge order is fixed, whichever arrives
   last.
@@ -95,6 +96,10 @@ def sm90_specs(draw):
 # breaks) would give three one-block pieces and leave the first tile's third empty
 @example(spec=AttentionSpec("batched", 1, 64, 257, 4, 1, 128, 128, torch.bfloat16, "cuda", causal=True),
          grid={"num_sms": 8, "piece_keys": 128, "max_pieces": "", "stream_k_min_keys": "0"})
+# a causal chunk whose 160 tiles fill more than half of 132 SMs: four pieces a tile on 640 CTAs,
+# taken in rounds (tile_order.wave_pieces), not the pairs
+@example(spec=AttentionSpec("batched", 1, 640, 32768, 32, 8, 128, 128, torch.bfloat16, "cuda", causal=True),
+         grid={"num_sms": 132, "piece_keys": 0, "max_pieces": "", "stream_k_min_keys": ""})
 def test_sm90_split_plans_leave_no_piece_empty(spec, grid):
     with sm90_grid(**grid) as impl:
         cut, blocks, pieces, ctas = impl.stream_k_plan(spec, torch.device("cuda"))
@@ -109,6 +114,8 @@ def test_sm90_split_plans_leave_no_piece_empty(spec, grid):
             assert pieces == 2
             return
         event("causal chunk" if spec.causal else "non-causal")
+        if ctas > grid["num_sms"]:
+            event("pieces in rounds (more CTAs than SMs)")
         # the plain order: every piece of a cut tile adds itself to the tile's merge, so each one
         # needs a key block the tile visits. A causal tile's pieces share out the blocks it sees
         # (FlashFwdSm90.item_coords), a non-causal one's all blocks: P pieces of v blocks are

@@ -31,7 +31,7 @@ def test_module_cli_exit_code_without_cuda():
 def test_list_matrix(capsys):
     assert bench.main(["--list"]) == 0
     out = capsys.readouterr().out
-    assert "149 cells" in out
+    assert "150 cells" in out
     assert bench.main(["--list", "--quick", "--kind", "decode"]) == 0
     assert "2 cells" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -692,8 +692,9 @@ def test_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
     """Causal calls of at least 2k keys whose tiles fit half of 132 SMs and whose first tile sees
     half the keys run the persistent grid in the plain order (not pairs), with the stream-K merge
     compiled in, and each tile is cut into pieces along the key blocks it sees (P at most the
-    first tile's blocks); more tiles, a first tile that sees under half the keys, a window or
-    varlen keep the pairs / one CTA per tile. The plain-order causal config compiles for sm_90a
+    first tile's blocks); so do chunks whose pairs fill more than half the SMs where the wave
+    model finds pieces in rounds faster; more tiles, a first tile that sees under half the keys,
+    a window or varlen keep the pairs / one CTA per tile. The plain-order causal config compiles for sm_90a
     with its merge's atomics."""
     import dualattn.fast.sm90 as sm90
     monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "132")
@@ -713,12 +714,26 @@ def test_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
     assert F.stream_k_plan(spec(1, 1024, 8192, hq=4, hkv=4), torch.device("cuda")) == (32, 64, 4, 128)
     # pieces bounded by the first tile's blocks: 2k x 2 heads against 4k keys sees 17 of 32
     assert F.stream_k_plan(spec(1, 2048, 4096, hq=2, hkv=2, d=64), torch.device("cuda"))[2] == 4
-    for other in (spec(64, 1, 8192), spec(1, 513, 32768), spec(1, 64, 32768, window=(1000, 0)),
+    # tiles whose pairs fill more than half the SMs: the wave model's pieces, taken in rounds
+    # (640 x 32k GQA: 160 tiles, 4 pieces each on 640 CTAs; tile_order.wave_pieces), not one CTA
+    # a tile (32k keys: no persistent causal grid); off by its knob. A non-causal single round of
+    # 96 tiles likewise (4 pieces, 384 CTAs)
+    wave = spec(1, 640, 32768)
+    assert sm90._causal_split_grid(wave) and not F.paired(wave) and F.config(wave)[5]
+    assert F.stream_k_plan(wave, torch.device("cuda")) == (160, 256, 4, 640)
+    monkeypatch.setattr(sm90, "_SPLIT_WAVES_ENV", "0")
+    assert not sm90._causal_split_grid(wave) and not F.config(wave)[5]
+    assert F.paired(spec(1, 640, 16384))  # (16k keys: the pairs' persistent grid)
+    round96 = AttentionSpec("batched", 1, 256, 32768, 48, 48, 128, 128, torch.bfloat16, "cuda")
+    assert F.stream_k_plan(round96, torch.device("cuda")) == (0, 0, 0, 96)
+    monkeypatch.setattr(sm90, "_SPLIT_WAVES_ENV", "")
+    assert F.stream_k_plan(round96, torch.device("cuda")) == (96, 256, 4, 384)
+    for other in (spec(64, 1, 8192), spec(1, 1100, 32768), spec(1, 64, 32768, window=(1000, 0)),
                   spec(1, 64, 2047, hq=8, hkv=8), spec(1, 512, 8192),  # (the last: 128 tiles)
                   spec(1, 2048, 3000, hq=2, hkv=2)):  # the first tile sees under half the keys
         assert not sm90._causal_split_grid(other)
     assert F.paired(spec(1, 2048, 3000, hq=2, hkv=2))
-    assert F.paired(spec(64, 1, 8192)) and not F.config(spec(1, 513, 32768))[5]
+    assert F.paired(spec(64, 1, 8192)) and not F.config(spec(1, 1100, 32768))[5]  # 280 tiles
     ptx = F.compile_only(chunk, arch=90).__ptx__
     assert any(".acq_rel." in ln and "atom." in ln for ln in ptx.splitlines())
 

@@ -198,6 +198,17 @@ _case("split", 1, 2048, 4096, 2, 2, 64, "bfloat16", True, pieces=4)      # 17-32
 _case("split", 1, 700, 3000, 3, 1, 96, "float16", True, num_sms=40, softcap=8.0, pieces=2)
 _case("split", 2, 1000, 2500, 2, 2, 256, "bfloat16", True, num_sms=64, piece_keys=256, pieces=2)
 _case("split", 1, 1500, 2900, 2, 2, 128, "bfloat16", True, num_sms=120, piece_keys=128, pieces=5)  # 12-23 blocks
+# more than half the SMs: pieces over several rounds of CTAs where the wave model says they pay
+# (tile_order.wave_pieces; sm90._causal_wave_pieces): causal chunks instead of pairs, and a
+# single partly filled round of non-causal tiles
+_case("waves", 1, 300, 8192, 8, 8, 128, "bfloat16", True, num_sms=16, pieces=2)    # 24 tiles, 48 CTAs
+_case("waves", 1, 640, 8192, 2, 2, 128, num_sms=16, pieces=3)                      # 10 tiles, 30 CTAs
+_case("waves", 1, 256, 8000, 6, 6, 96, "float16", True, num_sms=8, softcap=10.0, pieces=2)
+_case("waves", 1, 300, 6000, 2, 2, 256, num_sms=10, pieces=5)                      # one epilogue group
+_case("waves", 1, 300, 8192, 8, 8, 64, "bfloat16", True, num_sms=16, pieces=2)
+_case("waves", 1, 32, 9000, 32, 8, 128, "bfloat16", True, num_sms=6, pieces=3)     # packed GQA rows
+_case("waves", 1, 48, 12000, 32, 8, 128, "bfloat16", True, num_sms=11, pieces=2)   # half-live second tiles
+_case("waves", 1, 640, 32768, 32, 8, 128, "bfloat16", True, pieces=4)              # 160 tiles, 640 CTAs
 _case("chunk", 1, 64, 64, 4, 4, 128, "bfloat16", True)                  # too few keys to cut
 _case("chunk", 1, 40, 1500, 8, 2, 64, "float16", True)
 _case("split-off", 1, 500, 2100, 4, 2, 128, num_sms=40, split_units="0")

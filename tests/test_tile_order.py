@@ -11,7 +11,8 @@ from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_
                                               paired_unit_blocks, paired_units, split_tail_groups,
                                               split_tail_plan, split_tail_slots, split_tail_tile,
                                               stream_k_grid, stream_k_piece, stream_k_tiles,
-                                              split_pieces,
+                                              split_pieces, wave_makespan, wave_pieces,
+                                              WAVE_CALL_BLOCKS, WAVE_PIECE_BLOCKS, WAVE_TILE_BLOCKS,
                                               tile_share, varlen_paired_tile, varlen_paired_units,
                                               light_query_blocks, window_order_slots, window_order_tile)
 
@@ -360,6 +361,23 @@ def test_split_pieces_run_p_ctas_a_tile_each_on_a_share_of_its_keys(num_tiles, n
     for c in range(grid):  # piece 0 of CTA c is tile c // P, its key blocks from c % P's share
         t, start, end, valid = stream_k_piece(c, 0, grid, sk, blocks, max, min)
         assert valid and t == c // want and start == (c % want) * blocks // want
+
+
+def test_wave_pieces_cut_units_into_rounds_where_the_model_gains():
+    """Units that fill more than half of the SMs run in P pieces on P x units CTAs, in rounds,
+    where the wave model's makespan beats the order's own by WAVE_MIN_GAIN (split_pieces with
+    waves); never pairs."""
+    assert wave_makespan(96, 132, 256, 1) == WAVE_CALL_BLOCKS + 256 + WAVE_TILE_BLOCKS
+    assert wave_makespan(96, 132, 256, 4) == WAVE_CALL_BLOCKS + 3 * (64 + WAVE_PIECE_BLOCKS)
+    assert wave_pieces(96, 132, 256, 8) == 4           # 384 CTAs in 3 rounds of 64-block pieces
+    assert split_pieces(96, 132, 256, 128, waves=True) == 4 and split_pieces(96, 132, 256, 128) == 0
+    assert split_pieces(96, 132, 256, 128, waves=True, pairs=True) == 0
+    assert wave_pieces(128, 132, 256, 8) == 0          # a nearly full round: nothing to gain
+    assert wave_pieces(96, 132, 256, 3) == 0           # 2-3 pieces: 2-3 rounds of longer pieces
+    # against the order's own time (a causal chunk's pairs: one round of first + last blocks)
+    pairs = WAVE_CALL_BLOCKS + 251 + 256 + 2 * WAVE_TILE_BLOCKS
+    assert wave_pieces(160, 132, 256, 8, whole=pairs) == 4
+    assert wave_pieces(160, 132, 256, 8, whole=0.5 * pairs) == 0
 
 
 def test_split_pieces_only_where_two_ctas_a_unit_fit():

@@ -375,18 +375,62 @@ SPLIT_MAX_PIECES = 8  # the last piece reads every record: its merge grows with 
 
 
 def split_pieces(num_units, num_sms, blocks_per_unit, tile_n, min_keys=STREAM_K_MIN_KEYS,
-                 max_pieces=SPLIT_MAX_PIECES, pairs=False, min_piece_keys=SPLIT_MIN_PIECE_KEYS):
-    """Pieces each unit is cut into on a grid of pieces x units CTAs: 0 where twice the units do
-    not fit the SMs, a unit has fewer than two key blocks or ``min_keys`` keys; else 2 (pairs),
-    or as many as fit the SMs, up to ``max_pieces``, while a piece keeps ``min_piece_keys`` keys
-    (at least 2 pieces). A piece never holds less than a key block (the floor is the key tile), so
-    P <= blocks_per_unit: no piece of a unit that visits every key block is empty. Host-side."""
-    if 2 * num_units > num_sms or blocks_per_unit < 2 or blocks_per_unit * tile_n < min_keys:
+                 max_pieces=SPLIT_MAX_PIECES, pairs=False, min_piece_keys=SPLIT_MIN_PIECE_KEYS,
+                 waves=False, whole=None):
+    """Pieces each unit is cut into on a grid of pieces x units CTAs: 0 where a unit has fewer
+    than two key blocks or ``min_keys`` keys; where twice the units fit the SMs, 2 (pairs), or as
+    many as fit the SMs, up to ``max_pieces``, while a piece keeps ``min_piece_keys`` keys (at
+    least 2 pieces). Where they do not fit: with ``waves``, the count wave_pieces picks (the grid
+    then runs in several rounds of CTAs), else 0. A piece never holds less than a key block (the
+    floor is the key tile), so P <= blocks_per_unit: no piece of a unit that visits every key
+    block is empty. Host-side."""
+    if blocks_per_unit < 2 or blocks_per_unit * tile_n < min_keys:
         return 0
+    by_keys = blocks_per_unit * tile_n // max(min_piece_keys, tile_n)
+    if 2 * num_units > num_sms:
+        if not waves or pairs:
+            return 0
+        return wave_pieces(num_units, num_sms, blocks_per_unit, min(max_pieces, by_keys), whole)
     if pairs:
         return 2
-    by_keys = blocks_per_unit * tile_n // max(min_piece_keys, tile_n)
     return max(2, min(num_sms // num_units, max_pieces, by_keys))
+
+
+# -- a grid of more than half the SMs: pieces in rounds, where a model says they pay ---------------
+#
+# Units that fill more than half of the SMs but leave some idle (a round and a bit of causal
+# pairs, or one partly filled round of tiles that stream_k_tiles does not cut) can still run
+# faster cut into P pieces on P x units CTAs, which the SMs take in several rounds: the longest
+# CTA is then a piece, not a unit. Whether that pays is a makespan model in key blocks: a call's
+# own cost, then per round its longest item, a whole unit with a tile's start and end or a piece
+# with its start and its share of the merge. The costs are fitted to H200 CUDA-graph A/Bs of
+# hd128 calls forced onto P pieces (docs section 50: 96-192 units, 16k-32k keys, P = 2-8; the
+# model's time ratios within 0-4 % of the measured 0.69-1.12).
+WAVE_CALL_BLOCKS = 10.0   # the launch and the first loads of a call
+WAVE_TILE_BLOCKS = 1.7    # a whole tile's start and epilogue (docs section 35)
+WAVE_PIECE_BLOCKS = 6.0   # a piece's start, its state written, the last one's merge
+WAVE_MIN_GAIN = 0.10      # the model's margin: it was up to 4 % optimistic on 16k keys
+
+
+def wave_makespan(num_units, num_sms, blocks_per_unit, pieces) -> float:
+    """The model's time, in key blocks, of ``num_units`` units of ``blocks_per_unit`` blocks on
+    ``num_sms`` SMs, whole (pieces <= 1) or each cut into ``pieces`` pieces."""
+    if pieces <= 1:
+        return WAVE_CALL_BLOCKS + -(-num_units // num_sms) * (blocks_per_unit + WAVE_TILE_BLOCKS)
+    return WAVE_CALL_BLOCKS + -(-pieces * num_units // num_sms) * (blocks_per_unit / pieces + WAVE_PIECE_BLOCKS)
+
+
+def wave_pieces(num_units, num_sms, blocks_per_unit, max_pieces, whole=None) -> int:
+    """The piece count of 2..max_pieces with the shortest wave_makespan, or 0 where it does not
+    beat ``whole`` (the order's own time, in the model's key blocks; default the units uncut) by
+    WAVE_MIN_GAIN."""
+    base = wave_makespan(num_units, num_sms, blocks_per_unit, 1) if whole is None else whole
+    best, best_time = 0, (1.0 - WAVE_MIN_GAIN) * base
+    for p in range(2, max_pieces + 1):
+        t = wave_makespan(num_units, num_sms, blocks_per_unit, p)
+        if t <= best_time:
+            best, best_time = p, t
+    return best
 
 
 def stream_k_grid(num_units, num_sms, cut, pieces=0):

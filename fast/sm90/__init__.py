@@ -32,7 +32,8 @@ from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
 from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_KEYS, SPLIT_MIN_PIECE_KEYS_CAUSAL, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
                                               STREAM_K_MIN_KEYS_NARROW, heads_per_section,
                                               paired_unit_blocks, paired_units, split_tail_plan,
-                                              stream_k_tiles, split_pieces, stream_k_grid)
+                                              stream_k_tiles, split_pieces, stream_k_grid,
+                                              SPLIT_MAX_PIECES, WAVE_CALL_BLOCKS, WAVE_TILE_BLOCKS)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -57,8 +58,8 @@ _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm
 _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
-# a grid of at most half the SMs (FastSm90Forward.stream_k_plan): "0" keeps one CTA per unit,
-# a number caps the pieces a unit is cut into (tile_order.SPLIT_MAX_PIECES by default)
+# units cut into pieces on P CTAs each (FastSm90Forward.stream_k_plan): "0" keeps one CTA per
+# unit, a number caps the pieces a unit is cut into (tile_order.SPLIT_MAX_PIECES by default)
 _SPLIT_UNITS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_UNITS", "")
 # keys a piece keeps at least (tile_order.SPLIT_MIN_PIECE_KEYS by default; tests: fewer keys
 # reach more pieces, see _split_piece_keys)
@@ -310,7 +311,10 @@ def _causal_split_grid(spec) -> bool:
     its tile unmerged) and each tile's work is shared out evenly. Pairs cut in two give a CTA
     half a pair, (heaviest + lightest) / 2 blocks; this gives heaviest / P, with P >= 2 and twice
     the CTAs (a merge each): from lightest >= heaviest / 2 (half the keys) the tiles are even
-    enough. props/test_schedules.py checks the plans on drawn shapes."""
+    enough. So do such chunks whose pairs fill more than half the SMs (and at most all of them),
+    where the wave model finds that tiles cut into P pieces on P x tiles CTAs, taken in rounds,
+    beat the pairs (_causal_wave_pieces; H200, docs section 50: 640 x 32k GQA 32/8, 160 tiles,
+    time 0.658). props/test_schedules.py checks the plans on drawn shapes."""
     first_keys = _causal_first_tile_keys(spec)
     if not (_CAUSAL_SPLIT_ENV != "0" and spec.mode == "batched" and spec.causal and spec.window == (-1, -1)
             and not spec.has_key_ranges and not spec.has_block_sparse
@@ -319,7 +323,43 @@ def _causal_split_grid(spec) -> bool:
         return False
     g = _gqa_pack(spec, 128)
     units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
-    return 2 * units <= _model_sm_count()
+    num_sms = _model_sm_count()
+    return 2 * units <= num_sms or _causal_wave_pieces(spec, num_sms) >= 2
+
+
+# with this many live rows a tile at least (query rows x packed heads), a split's pieces are
+# tiles whose blocks cost what the wave model's were fitted on; fewer (packed decode: 4 rows) make
+# a block cheap next to a piece's own cost, which the model does not know
+WAVE_MIN_ROWS = 64
+# "0": no pieces in rounds (tile_order.wave_pieces) for grids of more than half the SMs
+_SPLIT_WAVES_ENV = os.environ.get("DUALATTN_SM90_SPLIT_WAVES", "")
+
+
+def _split_max_pieces() -> int:
+    return int(_SPLIT_UNITS_ENV) if _SPLIT_UNITS_ENV else SPLIT_MAX_PIECES
+
+
+def _causal_wave_pieces(spec, num_sms: int) -> int:
+    """Pieces a tile of a causal chunk whose pairs of 128-row tiles fill more than half of
+    ``num_sms`` SMs (and at most all of them) is cut into along the blocks it sees, on P x tiles CTAs in rounds
+    (tile_order.wave_pieces), where the wave model says they beat the causal pairs by its margin;
+    else 0. The pairs' time: each pair about the first tile's blocks plus the last's, one round
+    while they fit the SMs. P is at most the first tile's blocks (no empty piece). Called with
+    the same spec by _causal_split_grid (the config: plain order or pairs) and stream_k_plan (the
+    pieces), so the two agree."""
+    g = _gqa_pack(spec, 128)
+    units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
+    pairs = -(-units // 2)
+    # pairs that fit half the SMs are cut in two already (split_pieces with pairs)
+    if (_SPLIT_WAVES_ENV == "0" or _SPLIT_UNITS_ENV == "0" or 2 * pairs <= num_sms
+            or units > 2 * num_sms or g * spec.seqlen_q < WAVE_MIN_ROWS):
+        return 0
+    tile_n = _tile_config(spec.head_dim, spec.head_dim_v)[0]
+    first, last = -(-_causal_first_tile_keys(spec) // tile_n), -(-spec.seqlen_k // tile_n)
+    whole = WAVE_CALL_BLOCKS + -(-pairs // num_sms) * (first + last + 2 * WAVE_TILE_BLOCKS)
+    return split_pieces(units, num_sms, last, tile_n, _stream_k_min_keys(spec.head_dim <= 128),
+                        max_pieces=min(_split_max_pieces(), first), waves=True, whole=whole,
+                        min_piece_keys=_split_piece_keys(True, spec.head_dim_v))
 
 
 def _two_wg_tiles_fit_one_round(spec) -> bool:
@@ -1033,10 +1073,13 @@ class FastSm90Forward:
 
     def stream_k_plan(self, spec, device) -> Tuple[int, int, int, int]:
         """(cut units, key blocks per unit, pieces a unit, CTAs of the grid) of a stream-K call:
-        the last two rounds' units cut in two (tile_order.stream_k_tiles, pieces 0), or on a
-        grid of at most half this device's SMs every unit cut into pieces on that many CTAs a
-        unit (tile_order.split_pieces); (0, 0, 0, grid) where nothing is cut (stream_k_units).
-        From the spec's shapes: the launch memo (_entry) keeps it."""
+        the last two rounds' units cut in two (tile_order.stream_k_tiles, pieces 0), or every
+        unit cut into pieces on that many CTAs a unit (tile_order.split_pieces): where the units
+        fit half this device's SMs, as many as fit; where they fill more (one partly filled
+        round of non-causal tiles, or causal chunks' tiles, _causal_wave_pieces), the count
+        the wave model picks, the SMs taking the CTAs in rounds (tile_order.wave_pieces; tiles
+        of at least WAVE_MIN_ROWS live rows); (0, 0, 0, grid) where nothing is cut
+        (stream_k_units). From the spec's shapes: the launch memo (_entry) keeps it."""
         units, blocks = self.stream_k_units(spec)
         num_sms = _num_sms(device)
         none = (0, 0, 0, min(units, num_sms))
@@ -1049,10 +1092,17 @@ class FastSm90Forward:
         causal_split = _causal_split_grid(spec)
         cut = 0 if causal_split else stream_k_tiles(units, min(units, num_sms), blocks, tile_n, min_keys)
         pieces = 0
-        if not cut and _SPLIT_UNITS_ENV != "0":
+        if causal_split and 2 * units > num_sms:
+            pieces = _causal_wave_pieces(spec, num_sms)  # what the config's rule found
+            cut = units if pieces else 0
+        elif not cut and _SPLIT_UNITS_ENV != "0":
+            # a partly filled single round of non-causal tiles (stream_k_tiles cuts none) may run
+            # in pieces over several rounds (tile_order.wave_pieces)
+            waves = (_SPLIT_WAVES_ENV != "0" and not spec.causal and not self.paired(spec)
+                     and units <= num_sms and self.pack_gqa(spec) * spec.seqlen_q >= WAVE_MIN_ROWS)
             pieces = split_pieces(units, num_sms, blocks, tile_n, min_keys, pairs=self.paired(spec),
                                   min_piece_keys=_split_piece_keys(spec.causal, spec.head_dim_v),
-                                  **({"max_pieces": int(_SPLIT_UNITS_ENV)} if _SPLIT_UNITS_ENV else {}))
+                                  max_pieces=_split_max_pieces(), waves=waves)
             if causal_split:
                 # each tile cut along the blocks it sees (FlashFwdSm90.item_coords), the first
                 # tile the fewest: a piece of every tile holds one at least
