@@ -117,7 +117,7 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, False, True, True, False, 2, False, True, False, False, False, True, False,
-                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False, False, True)
+                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False, False, False)
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -134,15 +134,20 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
     assert FORWARD.compile_key(_spec(128), 90)[-7] == 4 and FORWARD.compile_key(_spec(64), 90)[-7] == 1
-    # stream-K merges move only the live rows (FastSm90Forward.merge_live_rows, the last field;
-    # the kernel keeps it only where stream-K is compiled in), off by its knob
-    assert FORWARD.compile_key(_spec(128), 90)[-1] is True
+    # stream-K merges move only the live rows (FastSm90Forward.merge_live_rows, the last field):
+    # where a tile has rows past the end and the units fit the SMs (split grids); the kernel
+    # keeps it only where stream-K is compiled in; off by its knob
+    monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "132")
+    assert FORWARD.compile_key(_spec(128), 90)[-1] is True                # 2 x 8 heads x 8 tiles
+    assert FORWARD.make_kernel(_spec(128, sk=8192)).merge_live_rows       # stream-K: kept
+    assert not FORWARD.make_kernel(_spec(128, sq=100, sk=33)).merge_live_rows  # nothing to merge
+    assert FORWARD.compile_key(_spec(128, sq=1024), 90)[-1] is False      # whole tiles
+    assert FORWARD.compile_key(_spec(128, sq=3000), 90)[-1] is False      # more units than SMs
     monkeypatch.setattr(sm90, "_MERGE_LIVE_ROWS_ENV", "0")
     assert FORWARD.compile_key(_spec(128), 90)[-1] is False
     assert not FORWARD.make_kernel(_spec(128, sk=8192)).merge_live_rows
     monkeypatch.setattr(sm90, "_MERGE_LIVE_ROWS_ENV", "")
-    assert FORWARD.make_kernel(_spec(128, sk=8192)).merge_live_rows       # stream-K: kept
-    assert not FORWARD.make_kernel(_spec(128, sq=100, sk=33)).merge_live_rows  # nothing to merge
+    monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "1")
     # a light last 192-row tile split over the three warpgroups (FastSm90Forward.key_split, the
     # field before): plain non-causal hd64, not causal, not a window, not 128-row tiles
     assert FORWARD.compile_key(_spec(64), 90)[-2] is True

@@ -659,13 +659,21 @@ class FastSm90Forward:
         applies = persistent and cls.tile_info(spec)
         return applies and _TILE_DECODER_ENV != "0"
 
-    @staticmethod
-    def merge_live_rows(spec) -> bool:
+    @classmethod
+    def merge_live_rows(cls, spec) -> bool:
         """Stream-K merges (stream_k configs) move only the warps' rows inside the sequence
         (FlashFwdSm90.warp_rows_live): a cut tile's pieces write and read the workspace for the
         live rows alone, which packed GQA decode (4 live rows of 128) and short last tiles leave
-        few of. DUALATTN_SM90_MERGE_LIVE_ROWS=0 moves every row (for comparisons)."""
-        return _MERGE_LIVE_ROWS_ENV != "0"
+        few of. Only where a tile has rows past the end (the rows, GQA heads packed, not a
+        multiple of the tile) and the units fit the SMs (split grids, whose every tile is cut):
+        in the stream-K tail of a full grid the predicate cost 1-2 % (H200, graph A/B, time with
+        / without: GQA 32/8 8k 1.015-1.020, hd128 16k 1.012-1.023, 4k 1.005-1.011; docs section
+        50). DUALATTN_SM90_MERGE_LIVE_ROWS=0 moves every row (for comparisons)."""
+        if _MERGE_LIVE_ROWS_ENV == "0" or spec.mode != "batched":
+            return False
+        tile_m = cls.config(spec)[0]
+        return (cls.pack_gqa(spec) * spec.seqlen_q) % tile_m != 0 and \
+            cls.stream_k_units(spec)[0] <= _model_sm_count()
 
     @staticmethod
     def stmatrix_o(spec) -> bool:

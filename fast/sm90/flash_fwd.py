@@ -1742,7 +1742,7 @@ class FlashFwdSm90:
         live = Boolean(True)
         if const_expr(self.merge_live_rows):
             live = m_block * self.tile_m + 64 * wg + 16 * ((tidx % 128) // 32) < seqlen_q
-        return live
+        return live  # (unread without merge_live_rows: the merges test the flag first)
 
     @cute.jit
     def stream_k_merge(self, sk, slot, acc_O, acc_O_mn, row_max, row_sum, scale_log2, tidx, wg,
@@ -1774,7 +1774,10 @@ class FlashFwdSm90:
         cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
         second = sk_flag[group] != 0
         if not second:
-            if live:
+            if const_expr(self.merge_live_rows):
+                if live:
+                    write_state(lambda i, x: ws.__setitem__(base + i * epi_threads, x), acc_O, row_max, row_sum)
+            else:
                 write_state(lambda i, x: ws.__setitem__(base + i * epi_threads, x), acc_O, row_max, row_sum)
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
@@ -1788,7 +1791,10 @@ class FlashFwdSm90:
                 cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
             cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
             cute.arch.fence_acq_rel_gpu()
-            if live:
+            if const_expr(self.merge_live_rows):
+                if live:
+                    merge_twin_state(lambda i: ws[base + i * epi_threads], acc_O_mn, row_max, row_sum, scale_log2)
+            else:
                 merge_twin_state(lambda i: ws[base + i * epi_threads], acc_O_mn, row_max, row_sum, scale_log2)
         return second
 
@@ -1812,7 +1818,10 @@ class FlashFwdSm90:
                                                                         epi_threads)
         base = record * pieces * state_stride + gt
         own = base + piece * state_stride
-        if live:
+        if const_expr(self.merge_live_rows):
+            if live:
+                write_state(lambda i, x: ws.__setitem__(own + i * epi_threads, x), acc_O, row_max, row_sum)
+        else:
             write_state(lambda i, x: ws.__setitem__(own + i * epi_threads, x), acc_O, row_max, row_sum)
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=epi_bar, number_of_threads=epi_threads)
@@ -1824,7 +1833,11 @@ class FlashFwdSm90:
             if gt == 0:
                 cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
             cute.arch.fence_acq_rel_gpu()
-            if live:
+            if const_expr(self.merge_live_rows):
+                if live:
+                    merge_states_in_order(ws, base, state_stride, epi_threads, pieces, acc_O_mn, row_max,
+                                          row_sum, scale_log2)
+            else:
                 merge_states_in_order(ws, base, state_stride, epi_threads, pieces, acc_O_mn, row_max,
                                       row_sum, scale_log2)
         return last
