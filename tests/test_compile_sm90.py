@@ -729,6 +729,13 @@ def test_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
     monkeypatch.setattr(sm90, "_SPLIT_WAVES_ENV", "0")
     assert not sm90._causal_split_grid(wave) and not F.config(wave)[5]
     assert F.paired(spec(1, 640, 16384))  # (16k keys: the pairs' persistent grid)
+    monkeypatch.setattr(sm90, "_SPLIT_WAVES_ENV", "")
+    # hd256 past 2k keys runs one CTA a tile: 80 tiles of 640 x 32k GQA 16/4 on 132 SMs leave
+    # 52 idle, which the model counts (sm90._causal_order_time): 3 pieces on 240 CTAs
+    wide = spec(1, 640, 32768, hq=16, hkv=4, d=256)
+    assert sm90._causal_split_grid(wide) and F.stream_k_plan(wide, torch.device("cuda")) == (80, 512, 3, 240)
+    monkeypatch.setattr(sm90, "_SPLIT_WAVES_ENV", "0")
+    assert not F.config(wide)[5]
     round96 = AttentionSpec("batched", 1, 256, 32768, 48, 48, 128, 128, torch.bfloat16, "cuda")
     assert F.stream_k_plan(round96, torch.device("cuda")) == (0, 0, 0, 96)
     monkeypatch.setattr(sm90, "_SPLIT_WAVES_ENV", "")

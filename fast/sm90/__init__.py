@@ -33,7 +33,8 @@ from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_K
                                               STREAM_K_MIN_KEYS_NARROW, heads_per_section,
                                               paired_unit_blocks, paired_units, split_tail_plan,
                                               stream_k_tiles, split_pieces, stream_k_grid,
-                                              SPLIT_MAX_PIECES, WAVE_CALL_BLOCKS, WAVE_TILE_BLOCKS)
+                                              SPLIT_MAX_PIECES, WAVE_CALL_BLOCKS, WAVE_PIECE_BLOCKS,
+                                              WAVE_TILE_BLOCKS)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -340,26 +341,40 @@ def _split_max_pieces() -> int:
 
 
 def _causal_wave_pieces(spec, num_sms: int) -> int:
-    """Pieces a tile of a causal chunk whose pairs of 128-row tiles fill more than half of
-    ``num_sms`` SMs (and at most all of them) is cut into along the blocks it sees, on P x tiles CTAs in rounds
-    (tile_order.wave_pieces), where the wave model says they beat the causal pairs by its margin;
-    else 0. The pairs' time: each pair about the first tile's blocks plus the last's, one round
-    while they fit the SMs. P is at most the first tile's blocks (no empty piece). Called with
-    the same spec by _causal_split_grid (the config: plain order or pairs) and stream_k_plan (the
-    pieces), so the two agree."""
+    """Pieces a tile of a causal chunk whose 128-row tiles fill more than half of ``num_sms``
+    SMs (and at most twice them) is cut into along the blocks it sees, on P x tiles CTAs in
+    rounds (tile_order.wave_pieces), where the wave model says they beat the order the config
+    would give them otherwise (_causal_order_time: pairs, or one CTA a tile) by its margin;
+    else 0. P is at most the first tile's blocks (no empty piece). Called with the same spec by
+    _causal_split_grid (the config: plain order or not) and stream_k_plan (the pieces), so the
+    two agree."""
     g = _gqa_pack(spec, 128)
     units = spec.batch * (spec.num_heads_q // g) * -(-g * spec.seqlen_q // 128)
-    pairs = -(-units // 2)
-    # pairs that fit half the SMs are cut in two already (split_pieces with pairs)
-    if (_SPLIT_WAVES_ENV == "0" or _SPLIT_UNITS_ENV == "0" or 2 * pairs <= num_sms
+    if (_SPLIT_WAVES_ENV == "0" or _SPLIT_UNITS_ENV == "0" or 2 * units <= num_sms
             or units > 2 * num_sms or g * spec.seqlen_q < WAVE_MIN_ROWS):
         return 0
     tile_n = _tile_config(spec.head_dim, spec.head_dim_v)[0]
     first, last = -(-_causal_first_tile_keys(spec) // tile_n), -(-spec.seqlen_k // tile_n)
-    whole = WAVE_CALL_BLOCKS + -(-pairs // num_sms) * (first + last + 2 * WAVE_TILE_BLOCKS)
     return split_pieces(units, num_sms, last, tile_n, _stream_k_min_keys(spec.head_dim <= 128),
-                        max_pieces=min(_split_max_pieces(), first), waves=True, whole=whole,
+                        max_pieces=min(_split_max_pieces(), first), waves=True,
+                        whole=_causal_order_time(spec, units, first, last, num_sms),
                         min_piece_keys=_split_piece_keys(True, spec.head_dim_v))
+
+
+def _causal_order_time(spec, units: int, first: int, last: int, num_sms: int) -> float:
+    """The wave model's time (tile_order.wave_makespan's units) of a causal chunk's tiles in the
+    order the config gives them without the split: pairs on the persistent grid (each about the
+    first tile's blocks plus the last's; cut in two where the pairs fit half the SMs), else one
+    CTA a tile (hd128 past 16k keys, hd256 past 2k: _short_masked_tiles)."""
+    persistent = (_plain_hd64(spec) and spec.seqlen_q < CAUSAL_PER_TILE_MIN_SEQLEN) or _short_masked_tiles(spec)
+    if _PERSISTENT_ENV:
+        persistent = _PERSISTENT_ENV != "0"
+    if not persistent:
+        return WAVE_CALL_BLOCKS + -(-units // num_sms) * (last + WAVE_TILE_BLOCKS)
+    pairs = -(-units // 2)
+    if 2 * pairs <= num_sms:  # (split_pieces with pairs: two pieces a pair)
+        return WAVE_CALL_BLOCKS + (first + last) / 2 + WAVE_PIECE_BLOCKS
+    return WAVE_CALL_BLOCKS + -(-pairs // num_sms) * (first + last + 2 * WAVE_TILE_BLOCKS)
 
 
 def _two_wg_tiles_fit_one_round(spec) -> bool:
