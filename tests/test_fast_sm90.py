@@ -209,6 +209,7 @@ _case("waves", 1, 300, 8192, 8, 8, 64, "bfloat16", True, num_sms=16, pieces=2)
 _case("waves", 1, 32, 9000, 32, 8, 128, "bfloat16", True, num_sms=6, pieces=3)     # packed GQA rows
 _case("waves", 1, 48, 12000, 32, 8, 128, "bfloat16", True, num_sms=11, pieces=2)   # half-live second tiles
 _case("waves", 1, 640, 32768, 32, 8, 128, "bfloat16", True, pieces=4)              # 160 tiles, 640 CTAs
+_case("waves", 1, 300, 8200, 4, 4, 256, "float16", True, num_sms=8, pieces=2)     # hd256 past 2k keys: one CTA a tile without
 _case("chunk", 1, 64, 64, 4, 4, 128, "bfloat16", True)                  # too few keys to cut
 _case("chunk", 1, 40, 1500, 8, 2, 64, "float16", True)
 _case("split-off", 1, 500, 2100, 4, 2, 128, num_sms=40, split_units="0")
