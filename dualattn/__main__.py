@@ -43,12 +43,8 @@ def _check_row(rows, name, dt, call, impl, dout, refs, gpu) -> int:
     import torch
 
     from . import accuracy
-    fwd_only = call.spec.needs_grad and impl.can_implement(call.spec) is not None
     try:
-        c2 = call
-        if fwd_only:
-            from dataclasses import replace
-            c2 = replace(call, spec=replace(call.spec, needs_grad=False))
+        c2, fwd_only = _row_call(call, impl)
         t0 = time.perf_counter()
         out, lse = impl.forward(c2)
         grads = (None, None, None)
@@ -68,6 +64,15 @@ def _check_row(rows, name, dt, call, impl, dout, refs, gpu) -> int:
     except Exception as e:  # a crash is a failure of that cell, reported, not hidden
         rows.append((name, str(dt)[6:], impl.name, "FAIL", f"{type(e).__name__}: {e}"[:100], ""))
         return 1
+
+
+def _row_call(call, impl):
+    """(the call ``impl`` runs for a row, forward only): without the backward where ``impl``
+    cannot take it."""
+    if call.spec.needs_grad and impl.can_implement(call.spec) is not None:
+        from dataclasses import replace
+        return replace(call, spec=replace(call.spec, needs_grad=False)), True
+    return call, False
 
 
 def _family_impls(spec, fam):
@@ -137,10 +142,7 @@ def _warm_share(work, families, device, large, args) -> int:
             impl, fwd_impl, _ = _family_impls(call.spec, fam)
             for one in {i.name: i for i in (impl, fwd_impl) if i is not None}.values():
                 try:
-                    c2 = call
-                    if call.spec.needs_grad and one.can_implement(call.spec) is not None:
-                        from dataclasses import replace
-                        c2 = replace(call, spec=replace(call.spec, needs_grad=False))
+                    c2, _ = _row_call(call, one)
                     out, lse = one.forward(c2)
                     if c2.spec.needs_grad:
                         one.backward(c2, out, lse, dout)
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
     sub.add_parser("bench", help="side-by-side benchmark (see python -m dualattn bench --help)")
     args = p.parse_args(argv)
     if args.cmd == "check":
-        return cmd_check(args, [a for a in argv[1:]])
+        return cmd_check(args, argv[1:])
     return {"check": cmd_check, "info": cmd_info, "diff": cmd_diff, "fuzz": cmd_fuzz}[args.cmd](args)
 
 

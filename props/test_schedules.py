@@ -18,8 +18,6 @@ take those paths.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
-
 import pytest
 import torch
 from hypothesis import assume, event, example, given

@@ -697,7 +697,7 @@ def test_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
     """Causal calls of at least 2k keys whose tiles fit half of 132 SMs and whose first tile sees
     half the keys run the persistent grid in the plain order (not pairs), with the stream-K merge
     compiled in, and each tile is cut into pieces along the key blocks it sees (P at most the
-    first tile's blocks); so do chunks whose pairs fill more than half the SMs where the wave
+    first tile's blocks); so do chunks whose tiles fill more than half the SMs where the wave
     model finds pieces in rounds faster; more tiles, a first tile that sees under half the keys,
     a window or varlen keep the pairs / one CTA per tile. The plain-order causal config compiles for sm_90a
     with its merge's atomics."""
@@ -719,7 +719,7 @@ def test_causal_chunks_of_small_grids_are_cut_into_pieces(monkeypatch):
     assert F.stream_k_plan(spec(1, 1024, 8192, hq=4, hkv=4), torch.device("cuda")) == (32, 64, 4, 128)
     # pieces bounded by the first tile's blocks: 2k x 2 heads against 4k keys sees 17 of 32
     assert F.stream_k_plan(spec(1, 2048, 4096, hq=2, hkv=2, d=64), torch.device("cuda"))[2] == 4
-    # tiles whose pairs fill more than half the SMs: the wave model's pieces, taken in rounds
+    # tiles that fill more than half the SMs: the wave model's pieces, taken in rounds
     # (640 x 32k GQA: 160 tiles, 4 pieces each on 640 CTAs; tile_order.wave_pieces), not one CTA
     # a tile (32k keys: no persistent causal grid); off by its knob. A non-causal single round of
     # 96 tiles likewise (4 pieces, 384 CTAs)

@@ -312,10 +312,10 @@ def _causal_split_grid(spec) -> bool:
     its tile unmerged) and each tile's work is shared out evenly. Pairs cut in two give a CTA
     half a pair, (heaviest + lightest) / 2 blocks; this gives heaviest / P, with P >= 2 and twice
     the CTAs (a merge each): from lightest >= heaviest / 2 (half the keys) the tiles are even
-    enough. So do such chunks whose pairs fill more than half the SMs (and at most all of them),
+    enough. So do such chunks whose tiles fill more than half the SMs (and at most twice them),
     where the wave model finds that tiles cut into P pieces on P x tiles CTAs, taken in rounds,
-    beat the pairs (_causal_wave_pieces; H200, docs section 50: 640 x 32k GQA 32/8, 160 tiles,
-    time 0.658). props/test_schedules.py checks the plans on drawn shapes."""
+    beat the order the config would run otherwise (_causal_wave_pieces; H200, docs section 50:
+    640 x 32k GQA 32/8, 160 tiles, time 0.658). props/test_schedules.py checks the plans on drawn shapes."""
     first_keys = _causal_first_tile_keys(spec)
     if not (_CAUSAL_SPLIT_ENV != "0" and spec.mode == "batched" and spec.causal and spec.window == (-1, -1)
             and not spec.has_key_ranges and not spec.has_block_sparse
