@@ -184,6 +184,12 @@ _case("split", 1, 70, 4000, 2, 2, 192, num_sms=40, dv=128, piece_keys=1024, piec
 _case("split", 1, 512, 4096, 8, 8, 128, pieces=4)                            # the real SM count
 _case("split", 1, 128, 32768, 32, 8, 128, pieces=4)
 _case("split", 1, 1, 16384, 32, 8, 128, pieces=8)
+# more than 8 pieces where the grid stays within half the SMs (tile_order.deep_pieces): the last
+# piece merges 9-32 records, read 4 at a time (FlashFwdSm90.merge_batch; 9: a remainder)
+_case("split", 1, 1, 130000, 8, 1, 64, num_sms=132, pieces=32)             # one packed tile
+_case("split", 1, 1, 33000, 16, 2, 256, "float16", num_sms=132, pieces=16)
+_case("split", 1, 3, 70000, 16, 4, 128, "bfloat16", True, num_sms=132, pieces=16)
+_case("split", 1, 1, 20000, 4, 1, 128, num_sms=64, pieces=9)
 # causal chunks (sm90._causal_split_grid): the plain order's tiles, each cut along the key blocks it sees
 _case("split", 1, 64, 5000, 32, 8, 128, "bfloat16", True, pieces=5)      # packed: 2 query blocks a head
 _case("split", 1, 1, 9000, 32, 8, 128, "bfloat16", True, pieces=8)       # one query (decoding)

@@ -11,7 +11,8 @@ from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_
                                               paired_unit_blocks, paired_units, split_tail_groups,
                                               split_tail_plan, split_tail_slots, split_tail_tile,
                                               stream_k_grid, stream_k_piece, stream_k_tiles,
-                                              split_pieces, wave_makespan, wave_pieces,
+                                              split_pieces, wave_makespan, wave_pieces, deep_pieces,
+                                              SPLIT_DEEP_MAX_PIECES,
                                               WAVE_CALL_BLOCKS, WAVE_PIECE_BLOCKS, WAVE_TILE_BLOCKS,
                                               tile_share, varlen_paired_tile, varlen_paired_units,
                                               light_query_blocks, window_order_slots, window_order_tile)
@@ -378,6 +379,24 @@ def test_wave_pieces_cut_units_into_rounds_where_the_model_gains():
     pairs = WAVE_CALL_BLOCKS + 251 + 256 + 2 * WAVE_TILE_BLOCKS
     assert wave_pieces(160, 132, 256, 8, whole=pairs) == 4
     assert wave_pieces(160, 132, 256, 8, whole=0.5 * pairs) == 0
+
+
+def test_deep_pieces_beyond_eight_where_the_grid_stays_small():
+    """More than SPLIT_MAX_PIECES pieces (split_pieces with deep) while the grid stays within
+    half the SMs and a piece keeps 2k keys: one to a few units with long keys; never more than
+    SPLIT_DEEP_MAX_PIECES or what the keys allow."""
+    assert deep_pieces(8, 132, 131072) == 8                 # 8 units: 64 CTAs already
+    assert [deep_pieces(4, 132, k) for k in (16384, 32768, 65536)] == [8, 16, 16]
+    assert deep_pieces(1, 132, 131072) == SPLIT_DEEP_MAX_PIECES == 32
+    assert deep_pieces(1, 132, 32768) == 16                 # 2k keys a piece
+    assert split_pieces(4, 132, 512, 128, deep=True) == 16  # 64k keys: 16 x 4 CTAs
+    assert split_pieces(4, 132, 512, 128) == 8              # without: the flat cap
+    assert split_pieces(8, 132, 1024, 128, deep=True) == 8
+    assert split_pieces(1, 132, 1024, 128, deep=True) == 32
+    assert split_pieces(1, 20, 1024, 128, deep=True) == 10  # half the SMs
+    assert split_pieces(2, 132, 512, 64, deep=True, min_piece_keys=1024) == 16  # hd256 16/2, 32k
+    assert split_pieces(1, 132, 40, 128, deep=True) == 8    # 5k keys: the cap stays
+    assert split_pieces(200, 132, 512, 128, deep=True) == 0  # more units than half the SMs
 
 
 def test_split_pieces_only_where_two_ctas_a_unit_fit():

@@ -126,23 +126,25 @@ def write_state(put, acc_O, row_max, row_sum) -> None:
 @cute.jit
 def merge_states_in_order(ws: cute.Tensor, base: Int32, state_stride: Int32, value_stride: Int32,
                           count: Int32, acc_O_mn: cute.Tensor, row_max: cute.Tensor,
-                          row_sum: cute.Tensor, scale_log2: Float32):
+                          row_sum: cute.Tensor, scale_log2: Float32, batch: cutlass.Constexpr[int] = 1):
     """This thread's online-softmax state made the merge of ``count`` states that threads wrote
     for the same rows and columns, this thread's own among them (value i of state p at
     ``ws[base + p * state_stride + i * value_stride]``, laid out as write_state does): the largest
     max, then every state scaled to it and added in the order p = 0, 1, ..., products rounded
-    apart, so the bits depend on the states alone, not on which thread merges them."""
+    apart, so the bits depend on the states alone, not on which thread merges them. The states
+    are read ``batch`` at a time (the loops unrolled so): each pass costs a memory round trip per
+    batch, not per state, and the order of the sums stays the same."""
     num_rows = cute.size(row_max)
     for r in cutlass.range_constexpr(num_rows):
         row_max[r] = -Float32.inf
-    for p in cutlass.range(count, unroll=1):
+    for p in cutlass.range(count, unroll=batch):
         for r in cutlass.range_constexpr(num_rows):
             row_max[r] = cute.arch.fmax(row_max[r], ws[base + p * state_stride + r * value_stride])
     for r in cutlass.range_constexpr(num_rows):
         row_sum[r] = Float32(0.0)
         for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
             acc_O_mn[r, c] = Float32(0.0)
-    for p in cutlass.range(count, unroll=1):
+    for p in cutlass.range(count, unroll=batch):
         at = base + p * state_stride
         for r in cutlass.range_constexpr(num_rows):
             # merge_scales' scale of state p against the merged max (0 for a row with no key)

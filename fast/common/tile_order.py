@@ -372,15 +372,33 @@ def stream_k_tiles(num_tiles, num_ctas, blocks_per_tile, tile_n, min_keys=STREAM
 SPLIT_MIN_PIECE_KEYS = 512
 SPLIT_MIN_PIECE_KEYS_CAUSAL = 1024
 SPLIT_MAX_PIECES = 8  # the last piece reads every record: its merge grows with the count
+# Beyond SPLIT_MAX_PIECES, up to SPLIT_DEEP_MAX_PIECES, where the grid of pieces stays within
+# half the SMs and each piece keeps SPLIT_DEEP_PIECE_KEYS keys: a call of one to a few units
+# (decoding through attention(): one packed tile a KV head) otherwise leaves most SMs idle. Past
+# half the SMs the pieces' K / V reads fill the memory bus (H100) and the deeper merge costs more
+# than it saves. Graph A/B, time deeper / 8 pieces (docs section 51; H100 unless H200):
+#   1 query, 1-4 units: hd64 8/1 128k 16 pieces 0.576 (H200), 32 against 16 0.755 (H100) /
+#   0.684 (H200); hd256 16/2 32k 16 pieces 0.850 (0.755 H200), 16k 0.956; hd128 16/4 64k 16
+#   pieces 0.880, 32k 0.978; 1k-key pieces lose (hd128 8/1 32k, 32 against 16: 1.095).
+#   8 units (GQA 32/8: 64 CTAs already): 11-16 pieces at 32k-128k keys 1.062-1.096 (H100),
+#   where the H200 gained 0.93-0.96: left at 8.
+SPLIT_DEEP_MAX_PIECES = 32
+SPLIT_DEEP_PIECE_KEYS = 2048
+
+
+def deep_pieces(num_units, num_sms, keys) -> int:
+    """The most pieces a unit of ``keys`` keys may be cut into beyond SPLIT_MAX_PIECES on a grid
+    of ``num_units`` units and ``num_sms`` SMs (the rule above)."""
+    return min(SPLIT_DEEP_MAX_PIECES, num_sms // (2 * num_units), keys // SPLIT_DEEP_PIECE_KEYS)
 
 
 def split_pieces(num_units, num_sms, blocks_per_unit, tile_n, min_keys=STREAM_K_MIN_KEYS,
                  max_pieces=SPLIT_MAX_PIECES, pairs=False, min_piece_keys=SPLIT_MIN_PIECE_KEYS,
-                 waves=False, whole=None):
+                 waves=False, whole=None, deep=False):
     """Pieces each unit is cut into on a grid of pieces x units CTAs: 0 where a unit has fewer
     than two key blocks or ``min_keys`` keys; where twice the units fit the SMs, 2 (pairs), or as
-    many as fit the SMs, up to ``max_pieces``, while a piece keeps ``min_piece_keys`` keys (at
-    least 2 pieces). Where they do not fit: with ``waves``, the count wave_pieces picks (the grid
+    many as fit the SMs, up to ``max_pieces`` (with ``deep``, deep_pieces where that is more),
+    while a piece keeps ``min_piece_keys`` keys (at least 2 pieces). Where they do not fit: with ``waves``, the count wave_pieces picks (the grid
     then runs in several rounds of CTAs), else 0. A piece never holds less than a key block (the
     floor is the key tile), so P <= blocks_per_unit: no piece of a unit that visits every key
     block is empty. Host-side."""
@@ -393,6 +411,8 @@ def split_pieces(num_units, num_sms, blocks_per_unit, tile_n, min_keys=STREAM_K_
         return wave_pieces(num_units, num_sms, blocks_per_unit, min(max_pieces, by_keys), whole)
     if pairs:
         return 2
+    if deep:
+        max_pieces = max(max_pieces, deep_pieces(num_units, num_sms, blocks_per_unit * tile_n))
     return max(2, min(num_sms // num_units, max_pieces, by_keys))
 
 

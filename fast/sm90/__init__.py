@@ -77,6 +77,8 @@ _NARROW_LAST_ENV = os.environ.get("DUALATTN_SM90_NARROW_LAST", "")  # see .narro
 _TILE_DECODER_ENV = os.environ.get("DUALATTN_SM90_TILE_DECODER", "")  # see .tile_decoder
 _STMATRIX_O_ENV = os.environ.get("DUALATTN_SM90_STMATRIX_O", "")  # see .stmatrix_o
 _MERGE_LIVE_ROWS_ENV = os.environ.get("DUALATTN_SM90_MERGE_LIVE_ROWS", "")  # see .merge_live_rows
+_MERGE_BATCH_ENV = os.environ.get("DUALATTN_SM90_MERGE_BATCH", "")  # see .merge_batch
+MERGE_BATCH = 4
 _WARP_STORE_O_ENV = os.environ.get("DUALATTN_SM90_WARP_STORE_O", "")  # see .warp_store_o
 _L2_HINTS_ENV = os.environ.get("DUALATTN_SM90_L2_HINTS", "")  # see .l2_hints
 # diagnostics only, set by ci/phase_trace.py (never an environment variable: a traced kernel
@@ -690,6 +692,17 @@ class FastSm90Forward:
         return (cls.pack_gqa(spec) * spec.seqlen_q) % tile_m != 0 and \
             cls.stream_k_units(spec)[0] <= _model_sm_count()
 
+    @classmethod
+    def merge_batch(cls, spec) -> int:
+        """States the last piece of a tile cut into more than two reads at a time in its merge
+        (FlashFwdSm90.merge_batch, which a kernel without the stream-K code ignores): each of the
+        merge's two passes then costs a memory round trip a batch, not a state. H200 graph A/B,
+        4 against 1 (docs section 51), time 0.955-0.978 on split calls of 4-8 pieces (1 query x
+        32k GQA 0.957, 256 x 16k x 8 0.955, hd256 512 x 16k x 4 0.963), 8 against 4 mixed
+        (0.978-1.038); H100 level (0.998-1.007). DUALATTN_SM90_MERGE_BATCH sets it.
+        (A classmethod for the knob's sake: the spec does not change it.)"""
+        return int(_MERGE_BATCH_ENV) if _MERGE_BATCH_ENV else MERGE_BATCH
+
     @staticmethod
     def stmatrix_o(spec) -> bool:
         """O staged in shared memory for its TMA store by stmatrix (four 8 x 8 matrices of
@@ -780,7 +793,8 @@ class FastSm90Forward:
                 self.shared_o_slot(spec), self.staging_per_tile(spec), self.narrow_first(spec), self.trace_phases(spec), self.tile_decoder(spec), self.stmatrix_o(spec), self.warp_store_o(spec), self.l2_hints(spec), self.q_stages(spec), self.paired(spec), self.varlen_sections(spec),
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch), self.window_order(spec),
-                self.narrow_last(spec), self.key_split(spec), self.merge_live_rows(spec))
+                self.narrow_last(spec), self.key_split(spec), self.merge_live_rows(spec),
+                self.merge_batch(spec))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -1125,7 +1139,8 @@ class FastSm90Forward:
                      and units <= num_sms and self.pack_gqa(spec) * spec.seqlen_q >= WAVE_MIN_ROWS)
             pieces = split_pieces(units, num_sms, blocks, tile_n, min_keys, pairs=self.paired(spec),
                                   min_piece_keys=_split_piece_keys(spec.causal, spec.head_dim_v),
-                                  max_pieces=_split_max_pieces(), waves=waves)
+                                  max_pieces=_split_max_pieces(), waves=waves,
+                                  deep=not _SPLIT_UNITS_ENV)
             if causal_split:
                 # each tile cut along the blocks it sees (FlashFwdSm90.item_coords), the first
                 # tile the fewest: a piece of every tile holds one at least
@@ -1228,7 +1243,8 @@ class FastSm90Forward:
                             warp_store_o=self.warp_store_o(spec),
                             l2_hints=self.l2_hints(spec), window_order=self.window_order(spec),
                             narrow_last=self.narrow_last(spec), key_split=self.key_split(spec),
-                            merge_live_rows=self.merge_live_rows(spec))
+                            merge_live_rows=self.merge_live_rows(spec),
+                            merge_batch=self.merge_batch(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -236,7 +236,7 @@ class FlashFwdSm90:
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
                  stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False,
                  window_order: bool = False, narrow_last: bool = False, key_split: bool = False,
-                 merge_live_rows: bool = False):
+                 merge_live_rows: bool = False, merge_batch: int = 1):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -430,6 +430,9 @@ class FlashFwdSm90:
         # the workspace nor reads the others' (those rows are never stored), so a merge moves the
         # tile's live rows, not all 128
         self.merge_live_rows = merge_live_rows and stream_k
+        # the last piece of a tile cut into more than two reads the others' states this many at a
+        # time (merge_states_in_order's unrolled loops: a memory round trip a batch, not a state)
+        self.merge_batch = merge_batch if stream_k else 1
         # where the turned order can apply: the non-causal batched order of the persistent grid
         self.turned_order = self.rotate_m_blocks and persistent and not (self.mask_right or varlen)
         self.num_threads = self.num_threads_per_wg * (1 + self.num_mma_wg)
@@ -1836,10 +1839,10 @@ class FlashFwdSm90:
             if const_expr(self.merge_live_rows):
                 if live:
                     merge_states_in_order(ws, base, state_stride, epi_threads, pieces, acc_O_mn, row_max,
-                                          row_sum, scale_log2)
+                                          row_sum, scale_log2, self.merge_batch)
             else:
                 merge_states_in_order(ws, base, state_stride, epi_threads, pieces, acc_O_mn, row_max,
-                                      row_sum, scale_log2)
+                                      row_sum, scale_log2, self.merge_batch)
         return last
 
     @cute.jit
