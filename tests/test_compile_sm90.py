@@ -117,7 +117,7 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, False, True, True, False, 2, False, True, False, False, False, True, False,
-                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False, False, False, 4)
+                   True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False, False, False, 1)
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -148,12 +148,14 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     assert not FORWARD.make_kernel(_spec(128, sk=8192)).merge_live_rows
     monkeypatch.setattr(sm90, "_MERGE_LIVE_ROWS_ENV", "")
     # the records a merge of more than two pieces reads at a time (FastSm90Forward.merge_batch,
-    # the last field): 4, which a kernel without the stream-K code ignores; set by its knob
-    assert FORWARD.compile_key(_spec(128), 90)[-1] == 4
+    # the last field): 4 in stream-K configs of at most twice the SMs in units, else 1 (no
+    # unrolled merge code where no call cuts more than two pieces); set by its knob
+    assert FORWARD.compile_key(_spec(128, sk=8192), 90)[-1] == 4
     assert FORWARD.make_kernel(_spec(128, sk=8192)).merge_batch == 4
-    assert FORWARD.make_kernel(_spec(128, sq=100, sk=33)).merge_batch == 1
+    assert FORWARD.make_kernel(_spec(128, sq=100, sk=33)).merge_batch == 1    # no stream-K
+    assert FORWARD.compile_key(_spec(128, sq=4300, sk=8192), 90)[-1] == 1      # 272 units
     monkeypatch.setattr(sm90, "_MERGE_BATCH_ENV", "2")
-    assert FORWARD.compile_key(_spec(128), 90)[-1] == 2
+    assert FORWARD.compile_key(_spec(128, sk=8192), 90)[-1] == 2
     monkeypatch.setattr(sm90, "_MERGE_BATCH_ENV", "")
     monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "1")
     # a light last 192-row tile split over the three warpgroups (FastSm90Forward.key_split, the
