@@ -398,8 +398,8 @@ def split_pieces(num_units, num_sms, blocks_per_unit, tile_n, min_keys=STREAM_K_
     """Pieces each unit is cut into on a grid of pieces x units CTAs: 0 where a unit has fewer
     than two key blocks or ``min_keys`` keys; where twice the units fit the SMs, 2 (pairs), or as
     many as fit the SMs, up to ``max_pieces`` (with ``deep``, deep_pieces where that is more),
-    while a piece keeps ``min_piece_keys`` keys (at least 2 pieces). Where they do not fit: with ``waves``, the count wave_pieces picks (the grid
-    then runs in several rounds of CTAs), else 0. A piece never holds less than a key block (the
+    while a piece keeps ``min_piece_keys`` keys (at least 2 pieces). Where they do not fit: with
+    ``waves``, the count wave_pieces picks (the grid then runs in several rounds of CTAs), else 0. A piece never holds less than a key block (the
     floor is the key tile), so P <= blocks_per_unit: no piece of a unit that visits every key
     block is empty. Host-side."""
     if blocks_per_unit < 2 or blocks_per_unit * tile_n < min_keys:
