@@ -153,7 +153,7 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     assert FORWARD.compile_key(_spec(128, sk=8192), 90)[-1] == 4
     assert FORWARD.make_kernel(_spec(128, sk=8192)).merge_batch == 4
     assert FORWARD.make_kernel(_spec(128, sq=100, sk=33)).merge_batch == 1    # no stream-K
-    assert FORWARD.compile_key(_spec(128, sq=4300, sk=8192), 90)[-1] == 1      # 272 units
+    assert FORWARD.compile_key(_spec(128, sq=4300, sk=8192), 90)[-1] == 1      # 544 units
     monkeypatch.setattr(sm90, "_MERGE_BATCH_ENV", "2")
     assert FORWARD.compile_key(_spec(128, sk=8192), 90)[-1] == 2
     monkeypatch.setattr(sm90, "_MERGE_BATCH_ENV", "")

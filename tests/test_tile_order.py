@@ -382,10 +382,12 @@ def test_wave_pieces_cut_units_into_rounds_where_the_model_gains():
 
 
 def test_deep_pieces_beyond_eight_where_the_grid_stays_small():
-    """More than SPLIT_MAX_PIECES pieces (split_pieces with deep) while the grid stays within
-    half the SMs and a piece keeps 2k keys: one to a few units with long keys; never more than
+    """More than SPLIT_MAX_PIECES pieces (split_pieces with deep) for calls of 1-4 units, while
+    the grid stays within half the SMs and a piece keeps 2k keys; never more than
     SPLIT_DEEP_MAX_PIECES or what the keys allow."""
-    assert deep_pieces(8, 132, 131072) == 8                 # 8 units: 64 CTAs already
+    assert deep_pieces(8, 132, 131072) == 0                 # 8 units: 64 CTAs already
+    assert deep_pieces(5, 132, 131072) == 0                 # past the units measured
+    assert split_pieces(5, 132, 1024, 128, deep=True) == 8
     assert [deep_pieces(4, 132, k) for k in (16384, 32768, 65536)] == [8, 16, 16]
     assert deep_pieces(1, 132, 131072) == SPLIT_DEEP_MAX_PIECES == 32
     assert deep_pieces(1, 132, 32768) == 16                 # 2k keys a piece

@@ -382,13 +382,18 @@ SPLIT_MAX_PIECES = 8  # the last piece reads every record: its merge grows with 
 #   pieces 0.880, 32k 0.978; 1k-key pieces lose (hd128 8/1 32k, 32 against 16: 1.095).
 #   8 units (GQA 32/8: 64 CTAs already): 11-16 pieces at 32k-128k keys 1.062-1.096 (H100),
 #   where the H200 gained 0.93-0.96: left at 8.
+#   Calls of 5-7 units (63-66 CTAs at 9-13 pieces on 132 SMs) were not measured: the rule stops
+#   at SPLIT_DEEP_MAX_UNITS.
 SPLIT_DEEP_MAX_PIECES = 32
 SPLIT_DEEP_PIECE_KEYS = 2048
+SPLIT_DEEP_MAX_UNITS = 4
 
 
 def deep_pieces(num_units, num_sms, keys) -> int:
     """The most pieces a unit of ``keys`` keys may be cut into beyond SPLIT_MAX_PIECES on a grid
-    of ``num_units`` units and ``num_sms`` SMs (the rule above)."""
+    of ``num_units`` units and ``num_sms`` SMs (the rule above; 0 past SPLIT_DEEP_MAX_UNITS)."""
+    if num_units > SPLIT_DEEP_MAX_UNITS:
+        return 0
     return min(SPLIT_DEEP_MAX_PIECES, num_sms // (2 * num_units), keys // SPLIT_DEEP_PIECE_KEYS)
 
 
