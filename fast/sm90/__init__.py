@@ -696,13 +696,13 @@ class FastSm90Forward:
     def merge_batch(cls, spec) -> int:
         """States the last piece of a tile cut into more than two reads at a time in its merge
         (FlashFwdSm90.merge_batch): each of the merge's two passes then costs a memory round trip
-        a batch, not a state. H200 graph A/B, 4 against 1 (docs section 51), time 0.955-0.978
+        a batch, not a state. H200 graph A/B, 4 against 1 (docs section 51), time 0.955-0.998
         on split calls of 4-8 pieces (1 query x 32k GQA 0.957, 256 x 16k x 8 0.955, hd256 512 x
-        16k x 4 0.963), 8 against 4 mixed (0.978-1.038); H100 0.957-0.964 on the last two. Only
-        where the plan can cut a tile into more than two pieces (stream-K configs of at most
-        twice the model's SMs in units: small grids and pieces in rounds); elsewhere 1, since
-        the unrolled merge costs compile time (hd256 16k 2.99 -> 3.80 s on the CPU) where no
-        call reaches it. DUALATTN_SM90_MERGE_BATCH sets it."""
+        16k x 4 0.963), 8 against 4 mixed (0.978-1.038); H100 on the last two: level in one
+        lease (1.007 / 1.002), 0.957 / 0.964 in the next. Only where the plan can cut a tile
+        into more than two pieces (stream-K configs of at most twice the model's SMs in units:
+        small grids and pieces in rounds); elsewhere 1, since the unrolled merge costs compile
+        time (hd256 16k 2.99 -> 3.80 s on the CPU) where no call reaches it. DUALATTN_SM90_MERGE_BATCH sets it."""
         if _MERGE_BATCH_ENV:
             return int(_MERGE_BATCH_ENV)
         if not cls.stream_k(spec) or cls.stream_k_units(spec)[0] > 2 * _model_sm_count():
