@@ -291,7 +291,7 @@ _case("oslot-off", 2, 1000, 1000, 4, 2, 256, num_sms=3, o_slot="0")
 # block counts (two heads' middle blocks make a unit; a lone last head's middle alone), bottom-right
 # offsets, tiles with no key, a right window bound, packed GQA rows (one query block: every unit
 # two heads'), 3 warpgroups, one epilogue group (D > 128), and the real SM count. The launch
-# splits only where its model gains (FastSm90Forward.split_tail_groups), so the small grids force
+# splits only where its model gains (FastSm90Forward.split_tail_schedule), so the small grids force
 # it (split_tail="1"); the two cases on the real SM count split by the model's choice
 _case("splittail", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stream_k="0", split_tail="1")
 _case("splittail", 1, 896, 896, 3, 3, 128, "bfloat16", True, num_sms=4, stream_k="0", split_tail="1")
@@ -305,6 +305,9 @@ _case("splittail", 3, 16, 1000, 12, 3, 128, "bfloat16", True, num_sms=3, stream_
 _case("splittail", 1, 4224, 4224, 3, 3, 64, "bfloat16", True, num_sms=7, stream_k="0", split_tail="1")  # 3 WGs
 _case("splittail", 1, 1024, 1024, 140, 140, 128, "bfloat16", True)  # 560 pairs on 132 SMs
 _case("splittail", 3, 1408, 1408, 21, 21, 128, "bfloat16", True)    # odd block count, odd head count
+_case("splittail", 3, 1500, 1500, 24, 24, 128, "bfloat16", True)    # 432 pairs: 4.2 rounds, LPT deal
+_case("splittail", 1, 2500, 2500, 40, 8, 128, "bfloat16", True)     # GQA: 5 heads share a tail's K/V
+_case("splittail", 8, 2048, 2048, 8, 8, 256, "bfloat16", True)      # hd256: the tail sized to fit L2
 _case("splittail-off", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stream_k="0",
       split_tail="0")
 
@@ -670,7 +673,7 @@ def _run_worker(out_path: str, group: str) -> None:
                 rec["narrow_last"] = impl.name == "fast-sm90" and impl.narrow_last(call.spec)
                 rec["key_split"] = impl.name == "fast-sm90" and impl.key_split(call.spec)
                 rec["tile_m"] = impl.config(call.spec)[0] if impl.name == "fast-sm90" else 0
-                rec["split_groups"] = (impl.scalar_fields(call.spec, sm90._num_sms(q.device))[-1]
+                rec["split_groups"] = (impl.scalar_fields(call.spec, sm90._num_sms(q.device), q.device)[-3]
                                        if rec["split_tail"] else 0)
                 outs = []
                 # stream-K: which of a cut tile's two pieces merges is a race, decided anew each

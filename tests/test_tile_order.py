@@ -9,6 +9,7 @@ from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_
                                               heavy_first_in_sections, pair_of_unit, paired_tile,
                                               rotated_m_block, rotation_window,
                                               paired_unit_blocks, paired_units, split_tail_groups,
+                                              split_tail_pair_slots, split_tail_table,
                                               split_tail_plan, split_tail_slots, split_tail_tile,
                                               stream_k_grid, stream_k_piece, stream_k_tiles,
                                               split_pieces, wave_makespan, wave_pieces, deep_pieces,
@@ -193,25 +194,43 @@ def test_paired_order_balances_odd_block_counts(num_m_blocks, num_bh):
 
 
 def _tail_groups(num_m_blocks, num_bh, ctas):
-    """The tail split_tail_groups gives (G + R units' worth of whole groups of heads)."""
+    """The smallest tail split_tail_groups gives (G + R units' worth of whole groups of heads)."""
     hpg = 1 + num_m_blocks % 2
     return split_tail_groups(paired_units(num_m_blocks, num_bh), paired_units(num_m_blocks, hpg),
                              -(-num_bh // hpg), ctas, min)
 
 
-def _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail=None):
+def _tile_cost(m):
+    """A tile's modelled work: its key blocks (m + 1, Sq = Sk) and a fixed overhead."""
+    return m + 1 + 1.2
+
+
+def _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail=None, table=None):
     """Per CTA, the (m_block, bh) it runs in order with the paired order's last ``tail`` groups
-    of heads split (split_tail_tile; default: split_tail_groups'), as the kernel's grid and slot
-    loop give them."""
+    of heads split (split_tail_tile; default: the smallest tail, split_tail_groups') and the tail
+    table (default: split_tail_table's LPT one), as the kernel's grid and slot loop give them,
+    the table read only at tail slots as the kernel reads it."""
     ctas = min(paired_units(num_m_blocks, num_bh), num_sms)
     if tail is None:
         tail = _tail_groups(num_m_blocks, num_bh, ctas)
+    rounds = 0
+    if table is None:
+        rounds, table, _ = split_tail_table(num_m_blocks, num_bh, ctas, tail, _tile_cost)
+    else:
+        rounds = len(table) // ctas
+    pair_slots = split_tail_pair_slots(num_m_blocks, num_bh, ctas, tail, min)
     runs = [[] for _ in range(ctas)]
-    for t in range(split_tail_slots(num_m_blocks, num_bh, ctas, tail, min)):
-        m, bh, valid = split_tail_tile(t, ctas, num_m_blocks, num_bh, tail, max, min)
+    for t in range(split_tail_slots(num_m_blocks, num_bh, ctas, tail, rounds, min)):
+        tail_j = table[t - pair_slots] if t >= pair_slots else -1
+        m, bh, valid = split_tail_tile(t, ctas, num_m_blocks, num_bh, tail, tail_j, max, min)
         if valid:
             runs[t % ctas].append((m, bh))
     return runs
+
+
+def _busiest(runs):
+    work = [sum(_tile_cost(m) for m, _ in r) for r in runs]
+    return max(work) / (sum(work) / len(work))
 
 
 @pytest.mark.parametrize("num_m_blocks, num_bh, num_sms", [
@@ -219,13 +238,22 @@ def _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail=None):
     (9, 40, 7), (16, 128, 1), (5, 2, 4), (1, 1, 1), (3, 43, 1), (7, 3, 4), (33, 5, 9)]
     + [(1 + (i * 7919) % 37, 1 + (i * 104729) % 301, 1 + (i * 1299709) % 140) for i in range(40)])
 def test_split_tail_runs_every_tile_once(num_m_blocks, num_bh, num_sms):
-    """Any number of split groups (0: whole pairs, up to all of them) covers every tile once."""
+    """Any number of split groups (0: whole pairs, up to all of them) covers every tile once,
+    each CTA's tail heaviest first, after its whole pairs; with 0 groups it is the paired order,
+    and the table past a CTA's last tail tile holds -1 (the kernel's slot loop skips those)."""
     ctas = min(paired_units(num_m_blocks, num_bh), num_sms)
     num_groups = -(-num_bh // (1 + num_m_blocks % 2))
     for tail in sorted({0, 1, _tail_groups(num_m_blocks, num_bh, ctas), num_groups // 2, num_groups}):
         runs = _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail)
         assert sorted(t for r in runs for t in r) == [(m, bh) for m in range(num_m_blocks)
                                                       for bh in range(num_bh)], tail
+        rounds, table, _ = split_tail_table(num_m_blocks, num_bh, ctas, tail, _tile_cost)
+        assert len(table) == rounds * ctas and min(table, default=-1) >= -1
+        first_tail_head = split_tail_tile(split_tail_pair_slots(num_m_blocks, num_bh, ctas, tail, min),
+                                          ctas, num_m_blocks, num_bh, tail, 0, max, min)[1]
+        for r in runs:
+            tail_ms = [m for m, bh in r if tail and bh >= first_tail_head]
+            assert tail_ms == sorted(tail_ms, reverse=True)
     assert _split_tail_schedule(num_m_blocks, num_bh, num_sms, 0) == _paired_schedule(num_m_blocks, num_bh, num_sms)
 
 
@@ -234,52 +262,55 @@ def test_split_tail_runs_every_tile_once(num_m_blocks, num_bh, num_sms):
 def test_split_tail_fills_the_last_round(num_m_blocks, num_bh):
     """The bench's short causal cells (1k / 2k keys, 128-row tiles, 132 SMs: 7.76 or 15.5 rounds
     of pairs) and odd ones: with a tile costing its key blocks plus a fixed overhead, whole pairs
-    leave the busiest CTA 3 % over the mean (hd64 causal 1k: 1.031); the split tail brings it
-    within 1 % at the bench's shapes and never above whole pairs."""
-    overhead = 1.2
-
-    def cost(m):
-        return overhead + m + 1
-
-    def busiest(runs):
-        work = [sum(cost(m) for m, _ in r) for r in runs]
-        return max(work) / (sum(work) / len(work))
-
-    whole = busiest(_paired_schedule(num_m_blocks, num_bh, 132))
-    split = busiest(_split_tail_schedule(num_m_blocks, num_bh, 132))
+    leave the busiest CTA 3 % over the mean (hd64 causal 1k: 1.031); the plan's tail and LPT table
+    bring it within 1 % at the bench's shapes and never above whole pairs."""
+    whole = _busiest(_paired_schedule(num_m_blocks, num_bh, 132))
+    groups, _, table = split_tail_plan(num_m_blocks, num_bh, 132, _tile_cost)
+    split = _busiest(_split_tail_schedule(num_m_blocks, num_bh, 132, groups, table) if groups
+                     else _paired_schedule(num_m_blocks, num_bh, 132))
     assert split <= whole + 1e-9
     if (num_m_blocks, num_bh) in ((8, 512), (16, 256), (8, 256), (16, 128), (16, 64), (32, 16)):
         assert whole > 1.025 and split < 1.01
 
 
-def test_split_tail_runs_the_tail_heaviest_first():
-    """Tail tiles come heaviest first: each CTA's tail query blocks never grow, and the first
-    tail round takes the tail heads' last query blocks; every round before is whole pairs."""
+def test_split_tail_table_is_longest_processing_time_first():
+    """Every tail tile goes to a CTA that carried the least modelled work when it was dealt (the
+    whole pairs first), so the busiest CTA ends within one tail tile of the least busy one, and
+    where a snake left a 4.2-round shape (b3 x 24 heads, 1500 keys: 432 pairs) 6 % over the
+    mean, the table leaves it within 2 %."""
     nm, bh, ctas = 8, 512, 132
-    for c, r in enumerate(_split_tail_schedule(nm, bh, ctas)):
-        tail = [(m, h) for m, h in r if h >= 462]  # 200 units: 50 heads of 4 pairs
-        assert [m for m, _ in tail] == sorted((m for m, _ in tail), reverse=True)
-        assert tail and r[-len(tail):] == tail
-        _check_units(r[:-len(tail)], nm, bh)
-    first_round = [split_tail_tile(t, ctas, nm, bh, 50, max, min) for t in range(2 * 14 * ctas, 2 * 14 * ctas + ctas)]
-    assert {m for m, _, v in first_round if v} == {7, 6, 5}
+    tail = _tail_groups(nm, bh, ctas)
+    rounds, table, busiest = split_tail_table(nm, bh, ctas, tail, _tile_cost)
+    runs = _split_tail_schedule(nm, bh, ctas, tail, table)
+    work = [sum(_tile_cost(m) for m, _ in r) for r in runs]
+    assert max(work) == pytest.approx(busiest)
+    assert max(work) - min(work) <= _tile_cost(nm - 1) + 1e-9
+    groups, rounds, table = split_tail_plan(12, 72, 132, _tile_cost)
+    assert groups > 0 and _busiest(_split_tail_schedule(12, 72, 132, groups, table)) < 1.02
+    assert _busiest(_paired_schedule(12, 72, 132)) > 1.2
 
 
 def test_split_tail_plan_splits_where_its_model_gains_and_the_tail_fits_l2():
     """The launch's choice (split_tail_plan, tile = key blocks + 1.2): the bench's causal hd64 /
-    hd128 cells at 1k and 2k split (3 % -> under 1 %); 4 query blocks a head (512 keys) do not:
-    the snake of tiles 4, 3, 2, 1 evens nothing out; a tail whose K/V does not fit is refused
-    (hd256 1k: 62 heads of 1 MB), and whole rounds have no tail."""
+    hd128 cells at 1k and 2k split (3 % -> under 1 %); a tail whose K/V does not fit is never
+    chosen and a plan that needs one is refused; whole rounds have no tail; 4 query blocks a head
+    (512 keys) split only where the table gains (many heads)."""
     def plan(nm, bh, fits=lambda heads: True):
-        return split_tail_plan(nm, bh, 132, lambda m: m + 1 + 1.2, fits)
+        return split_tail_plan(nm, bh, 132, _tile_cost, fits)
 
-    assert plan(8, 512) == 50 and plan(16, 256) == 25 and plan(8, 256) == 58
-    assert plan(4, 1024) > 0 and plan(4, 512) == 0
-    assert plan(8, 128, lambda heads: heads <= 32) == 0
-    assert plan(16, 64, lambda heads: heads <= 32) > 0 and plan(16, 64, lambda heads: heads <= 8) == 0
-    assert plan(8, 33 * 4) == 0  # 528 units: 4 whole rounds
-    assert plan(13, 77) > 0 and plan(9, 100) > 0  # odd block counts, few rounds
-    assert plan(7, 300) == 0  # 1050 units: 7.95 rounds, nothing to gain
+    def busiest(nm, bh, fits=lambda heads: True):
+        groups, _, table = plan(nm, bh, fits)
+        return _busiest(_split_tail_schedule(nm, bh, 132, groups, table) if groups
+                        else _paired_schedule(nm, bh, 132))
+
+    for nm, bh in ((8, 512), (16, 256), (8, 256), (16, 128)):
+        assert plan(nm, bh)[0] > 0 and busiest(nm, bh) < 1.01
+    assert plan(8, 256, lambda heads: heads <= 64)[0] <= 64
+    assert plan(16, 64, lambda heads: heads <= 16)[0] in range(1, 17)   # hd256 causal 2k: 16 heads fit
+    assert plan(16, 64, lambda heads: heads <= 2)[0] == 0               # too few fit to gain
+    assert plan(8, 33 * 4)[0] == 0  # 528 units: 4 whole rounds
+    assert plan(13, 77)[0] > 0 and plan(9, 100)[0] > 0  # odd block counts, few rounds
+    assert plan(7, 300)[0] == 0  # 1050 units: 7.95 rounds, nothing to gain
 
 
 def test_varlen_paired_order_balances_the_bench_documents():

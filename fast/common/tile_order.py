@@ -13,6 +13,7 @@ kernel (Int32 operands, ``minimum=cutlass.min``) and in the CPU tests (Python in
 """
 from __future__ import annotations
 
+import heapq
 import math
 import os
 
@@ -143,19 +144,22 @@ def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
 # Pairs too short to be cut along the keys (stream-K's key minimum) keep the static stride's
 # partly filled last round: R = units % G of the G CTAs run one unit more than the rest, about
 # 1 / rounds of the SM time idle (the bench's 16k-token causal cells at 1k / 2k keys: 7.76 or
-# 15.5 rounds, ~3 %). Instead the order's last groups of heads (_pair_groups), at least G + R
-# units' worth, can run as single tiles, heaviest first (query block n - 1 of every tail head,
-# then n - 2, ...), dealt to the CTAs in a snake (round k forwards from the CTAs that ran one unit
-# less, round k + 1 backwards), so the heavy tiles go to the least loaded CTAs, and no tile is
-# cut, so nothing is merged. The snake only approximates longest-processing-time first: with
-# few tiles per CTA (4 query blocks a head) it evens nothing out. And the tail's heads run at
-# once, so their K/V must fit in L2. Hence the launch models both orders (split_tail_plan) and
-# passes the tail's groups, 0 where splitting does not pay (H100 A/B: docs section 25).
+# 15.5 rounds on 132 SMs, ~3 %; a 4.2-round shape, 22 %). Instead the order's last groups of
+# heads (_pair_groups) can run as single tiles, heaviest first (query block n - 1 of every tail
+# head, then n - 2, ...), dealt to the CTAs by the launch (split_tail_table): each to the CTA
+# with the least modelled work so far (longest-processing-time first, LPT: the CTAs' whole pairs
+# count first), or in a snake (round k forwards from the CTAs with fewer pairs, round k + 1
+# backwards), whichever models better: LPT wins on most shapes (a 4.2-round shape: 1.06 -> 1.02
+# of the mean), the snake on some with few tiles a CTA. The kernel reads the deal from a table of
+# tail tile numbers, one per slot (round k of CTA c at k G + c, -1 for none), once per tail tile.
+# Nothing is cut, so nothing is merged. The tail's heads run at once, so their K/V must fit in
+# L2; the launch tries the tail sizes that fit and keeps the best modelled one, or none where it
+# gains under 1 % (split_tail_plan; H100 / H200 A/Bs: docs sections 25 and 52).
 
 def split_tail_groups(units, units_per_group, num_groups, num_ctas, minimum):
-    """Groups of heads (_pair_groups) at the end of the paired order that a split tail takes:
-    enough for the grid's partly filled last round and one round more (G + R units, whole
-    groups), 0 where every round is full (R = 0, also when there are no more units than CTAs)."""
+    """The smallest tail that covers the grid's partly filled last round and one round more
+    (G + R units' worth of whole groups of heads); 0 where every round is full (R = 0, also when
+    there are no more units than CTAs). The plan's search starts there."""
     rem = units - (units // num_ctas) * num_ctas
     return (minimum((num_ctas + rem + units_per_group - 1) // units_per_group, num_groups)
             * minimum(rem, 1))
@@ -171,36 +175,29 @@ def _split_tail(num_m_blocks, num_bh, num_ctas, tail, minimum):
     return dp_units, 2 * num_ctas * ((dp_units + num_ctas - 1) // num_ctas), first_head, num_bh - first_head
 
 
-def split_tail_slots(num_m_blocks, num_bh, num_ctas, tail, minimum):
-    """Bound of the loop over split_tail_tile's slots: the paired units before the tail (two
-    slots per unit, whole rounds of the grid), then the tail tiles (one slot each, whole
-    rounds)."""
-    _, dp_slots, _, heads = _split_tail(num_m_blocks, num_bh, num_ctas, tail, minimum)
-    return dp_slots + num_ctas * ((heads * num_m_blocks + num_ctas - 1) // num_ctas)
+def split_tail_pair_slots(num_m_blocks, num_bh, num_ctas, tail, minimum):
+    """Slots of the whole pairs before the tail (two per unit, whole rounds of the grid): slot
+    t >= this reads entry t - this of the tail table."""
+    return _split_tail(num_m_blocks, num_bh, num_ctas, tail, minimum)[1]
 
 
-def _snake(tile, num_ctas, dp_units, dp_slots, maximum):
-    """Number j of the tail tile that slot ``tile`` (past dp_slots) takes: round k of the tail
-    deals tiles k G .. k G + G - 1 to the CTAs forwards when k is even, backwards when odd,
-    starting from the CTAs that ran one unit less before the tail (dp_units mod G and on)."""
-    k = maximum(tile - dp_slots, 0) // num_ctas
-    cta = tile - (tile // num_ctas) * num_ctas
-    lighter = dp_units - (dp_units // num_ctas) * num_ctas
-    pos = cta - lighter + num_ctas
-    pos = pos - (pos // num_ctas) * num_ctas
-    backwards = k - (k // 2) * 2
-    return k * num_ctas + pos + backwards * (num_ctas - 1 - 2 * pos)
+def split_tail_slots(num_m_blocks, num_bh, num_ctas, tail, rounds, minimum):
+    """Bound of the loop over split_tail_tile's slots: the pairs' slots, then ``rounds`` rounds
+    of tail slots (the table's)."""
+    return split_tail_pair_slots(num_m_blocks, num_bh, num_ctas, tail, minimum) + num_ctas * rounds
 
 
-def split_tail_tile(tile, num_ctas, num_m_blocks, num_bh, tail, maximum, minimum):
+def split_tail_tile(tile, num_ctas, num_m_blocks, num_bh, tail, tail_j, maximum, minimum):
     """(m_block, bh, valid) of slot ``tile`` of the paired order with its last ``tail`` groups
     split: slots before the tail are paired_tile's, restricted to the units before it; a tail
-    slot takes tail tile j (_snake), the tail's tiles numbered heaviest first. ``tail`` = 0 is
-    the paired order. Branch-free, so the kernel and the CPU model run the same code."""
+    slot takes tail tile ``tail_j`` (the table's entry for the slot, which the caller reads; -1
+    for none, and any value for a pair's slot), the tail's tiles numbered heaviest first (tile j:
+    query block n - 1 - j // heads of tail head j % heads). ``tail`` = 0 is the paired order.
+    Branch-free, so the kernel and the CPU model run the same code."""
     dp_units, dp_slots, first_head, heads = _split_tail(num_m_blocks, num_bh, num_ctas, tail, minimum)
     unit, second = paired_slot(tile, num_ctas)
     m_dp, bh_dp, valid_dp = pair_of_unit(unit, second, num_m_blocks, num_bh)
-    j = _snake(tile, num_ctas, dp_units, dp_slots, maximum)
+    j = maximum(tail_j, 0)
     per_block = maximum(heads, 1)
     m_tail = num_m_blocks - 1 - j // per_block
     bh_tail = first_head + j - (j // per_block) * per_block
@@ -208,36 +205,107 @@ def split_tail_tile(tile, num_ctas, num_m_blocks, num_bh, tail, maximum, minimum
     m_block = m_dp + (m_tail - m_dp) * in_tail
     bh = bh_dp + (bh_tail - bh_dp) * in_tail
     valid = ((valid_dp & (unit < dp_units) & (tile < dp_slots))
-             | ((j < heads * num_m_blocks) & (tile >= dp_slots)))
+             | ((tail_j >= 0) & (tail_j < heads * num_m_blocks) & (tile >= dp_slots)))
     return m_block, bh, valid
 
 
+def _tail_loads(num_m_blocks, num_bh, num_ctas, tail, costs):
+    """(each CTA's modelled work before the tail: its whole pairs at the mean unit's cost, tail
+    heads, CTAs with one pair more)."""
+    _, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
+    dp_units, _, _, heads = _split_tail(num_m_blocks, num_bh, num_ctas, tail, min)
+    unit_cost = sum(costs) * heads_per_group / units_per_group
+    base, extra = dp_units // num_ctas, dp_units % num_ctas
+    return [(base + (c < extra)) * unit_cost for c in range(num_ctas)], heads, extra
+
+
+def _lpt(num_m_blocks, num_ctas, loads, heads, extra, costs):
+    """Per CTA, its tail tiles: each tile in order (heaviest first; ``costs`` by j // heads) to
+    the CTA with the least work so far, ties to the lowest CTA."""
+    heap = [(w, c) for c, w in enumerate(loads)]
+    heapq.heapify(heap)
+    per_cta = [[] for _ in range(num_ctas)]
+    for j in range(heads * num_m_blocks):
+        work, c = heap[0]
+        per_cta[c].append(j)
+        heapq.heapreplace(heap, (work + costs[j // heads], c))
+    return per_cta
+
+
+def _snake(num_m_blocks, num_ctas, loads, heads, extra, costs):
+    """Per CTA, its tail tiles dealt in a snake: round k deals tiles k G .. k G + G - 1 forwards
+    when k is even, backwards when odd, from the CTAs that ran one unit less (``extra`` on)."""
+    per_cta = [[] for _ in range(num_ctas)]
+    for j in range(heads * num_m_blocks):
+        k, pos = divmod(j, num_ctas)
+        pos = num_ctas - 1 - pos if k % 2 else pos
+        per_cta[(pos + extra) % num_ctas].append(j)
+    return per_cta
+
+
+TAIL_DEALS = {"lpt": _lpt, "snake": _snake}
+
+
+def split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal="lpt"):
+    """(rounds, table, busiest CTA's modelled work) of the tail's tiles dealt to the CTAs
+    (``deal``: "lpt", longest-processing-time first: each tile, heaviest first, to the CTA with
+    the least work so far, whole pairs counted; or "snake", alternate rounds forwards and
+    backwards from the CTAs with fewer pairs). ``table[k * num_ctas + c]`` is CTA c's k-th tail
+    tile, -1 past its last. Host-side, O(tail tiles x log CTAs)."""
+    costs = [tile_cost(num_m_blocks - 1 - m) for m in range(num_m_blocks)]  # heaviest first
+    loads, heads, extra = _tail_loads(num_m_blocks, num_bh, num_ctas, tail, costs)
+    per_cta = TAIL_DEALS[deal](num_m_blocks, num_ctas, loads, heads, extra, costs)
+    rounds = max(len(r) for r in per_cta)
+    table = [-1] * (rounds * num_ctas)
+    for c, r in enumerate(per_cta):
+        for k, j in enumerate(r):
+            table[k * num_ctas + c] = j
+        loads[c] += sum(costs[j // heads] for j in r)
+    return rounds, table, max(loads)
+
+
 SPLIT_TAIL_MIN_GAIN = 0.01  # see split_tail_plan
+SPLIT_TAIL_MAX_TRIES = 12   # tail sizes split_tail_plan models at most (host time: ~0.5 ms each)
 
 
 def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda heads: True,
                     min_gain=SPLIT_TAIL_MIN_GAIN):
-    """Groups the launch splits (split_tail_tile), or 0: the busiest CTA's modelled work
-    (``tile_cost(m_block)`` summed over its tiles; the units before the tail taken as equal)
-    must drop by ``min_gain`` against whole pairs, and ``tail_fits(tail heads)`` (their K/V in
-    L2) must hold. Host-side, O(tail tiles)."""
-    pairs, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
+    """(groups, rounds, table) the launch passes (split_tail_tile, split_tail_table), or (0, 0,
+    []) for whole pairs. Tail sizes from the smallest that covers the partly filled round
+    (split_tail_groups) up to the largest whose heads' K/V fit L2 (``tail_fits(tail heads)``),
+    at most SPLIT_TAIL_MAX_TRIES of them spread evenly (the largest always), are modelled
+    (``tile_cost(m_block)`` per tile); the one whose busiest CTA carries least is kept if that
+    is ``min_gain`` below whole pairs' busiest CTA. Host-side, once per spec (the launch memo)."""
+    _, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
     units = paired_units(num_m_blocks, num_bh)
     num_groups = (num_bh + heads_per_group - 1) // heads_per_group
-    tail = split_tail_groups(units, units_per_group, num_groups, num_ctas, min)
-    if tail == 0:
-        return 0
+    smallest = split_tail_groups(units, units_per_group, num_groups, num_ctas, min)
+    if smallest == 0:
+        return 0, 0, []
     unit_cost = sum(tile_cost(m) for m in range(num_m_blocks)) * heads_per_group / units_per_group
     whole = -(-units // num_ctas) * unit_cost
-    dp_units, dp_slots, first_head, heads = _split_tail(num_m_blocks, num_bh, num_ctas, tail, min)
-    loads = [(dp_units // num_ctas + (c < dp_units % num_ctas)) * unit_cost for c in range(num_ctas)]
-    for t in range(dp_slots, split_tail_slots(num_m_blocks, num_bh, num_ctas, tail, min)):
-        j = _snake(t, num_ctas, dp_units, dp_slots, max)
-        if j < heads * num_m_blocks:
-            loads[t % num_ctas] += tile_cost(num_m_blocks - 1 - j // heads)
-    if max(loads) > (1 - min_gain) * whole or not tail_fits(heads):
-        return 0
-    return tail
+
+    def heads_of(tail):
+        return _split_tail(num_m_blocks, num_bh, num_ctas, tail, min)[3]
+
+    fitting = [t for t in range(1, num_groups + 1) if tail_fits(heads_of(t))]
+    if not fitting:
+        return 0, 0, []
+    largest = fitting[-1]
+    lo = min(smallest, largest)
+    span = [t for t in fitting if t >= lo]
+    step = max(1, -(-len(span) // SPLIT_TAIL_MAX_TRIES))
+    tries = sorted(set(span[::step]) | {largest})
+    best = None
+    for tail in tries:
+        for deal in TAIL_DEALS:
+            rounds, table, busiest = split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal)
+            if best is None or busiest < best[0] - 1e-9:
+                best = (busiest, tail, rounds, table)
+    busiest, tail, rounds, table = best
+    if busiest > (1 - min_gain) * whole:
+        return 0, 0, []
+    return tail, rounds, table
 
 
 # -- the window order: full tiles in L2 sections, then the light ones, dealt in a snake ---------

@@ -31,7 +31,7 @@ from dualattn.fast.common.compile_cache import CompileCache, arch_string, target
 from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
 from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_KEYS, SPLIT_MIN_PIECE_KEYS_CAUSAL, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
                                               STREAM_K_MIN_KEYS_NARROW, heads_per_section,
-                                              paired_unit_blocks, paired_units, split_tail_plan,
+                                              paired_unit_blocks, paired_units, split_tail_plan, split_tail_table,
                                               stream_k_tiles, split_pieces, stream_k_grid,
                                               SPLIT_MAX_PIECES, WAVE_CALL_BLOCKS, WAVE_PIECE_BLOCKS,
                                               WAVE_TILE_BLOCKS)
@@ -59,6 +59,8 @@ _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm
 _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
+# a fixed count of tail groups (comparisons; see FastSm90Forward.split_tail_schedule)
+_SPLIT_TAIL_GROUPS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL_GROUPS", "")  # (split_tail)
 # units cut into pieces on P CTAs each (FastSm90Forward.stream_k_plan): "0" keeps one CTA per
 # unit, a number caps the pieces a unit is cut into (tile_order.SPLIT_MAX_PIECES by default)
 _SPLIT_UNITS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_UNITS", "")
@@ -199,7 +201,7 @@ CAUSAL_3WG_MIN_SEQLEN = 4096  # causal hd64 from this many queries runs 3 warpgr
 RESCALE_THRESHOLD = 8.0  # see FastSm90Forward.rescale_threshold: P <= 2^8 between rescales
 RESCALE_THRESHOLD_MIN_DV = 192
 CAUSAL_PER_TILE_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs one CTA per tile
-SPLIT_TAIL_TILE_OVERHEAD = 1.2  # key blocks' worth of a tile's start and epilogue (split_tail_groups)
+SPLIT_TAIL_TILE_OVERHEAD = 1.2  # key blocks' worth of a tile's start and epilogue (split_tail_schedule)
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
 
@@ -1044,24 +1046,27 @@ class FastSm90Forward:
 
     @classmethod
     def split_tail(cls, spec) -> bool:
-        """The paired order's last units can run as single tiles, heaviest first, dealt to the
-        CTAs in a snake (fast/common/tile_order.split_tail_tile), where stream-K does not cut
-        them: batched paired calls without a left window bound (whose tiles are heavier the later
-        they come) and with pairs too short for stream-K (or an empty tile). The
-        static stride of whole pairs leaves the grid's last round partly filled (the bench's
-        16k-token causal cells at 1k / 2k keys: 7.76 or 15.5 rounds on 132 SMs); single tiles
-        fill it, and nothing is merged. The launch decides per shape how many groups of heads
-        (split_tail_groups, 0 for none). DUALATTN_SM90_SPLIT_TAIL=0 turns it off, =1 splits
-        wherever a round is partly filled, whatever the model says (comparisons, tests)."""
+        """The paired order's last units can run as single tiles, heaviest first, each to the
+        CTA with the least work so far (a table the launch computes: fast/common/tile_order
+        .split_tail_table), where stream-K does not cut them: batched paired calls without a
+        left window bound (whose tiles are heavier the later they come) and with pairs too short
+        for stream-K (or an empty tile). The static stride of whole pairs leaves the grid's last
+        round partly filled (the bench's 16k-token causal cells at 1k / 2k keys: 7.76 or 15.5
+        rounds on 132 SMs); single tiles fill it, and nothing is merged. The launch decides per
+        shape how many groups of heads (split_tail_schedule, 0 for none).
+        DUALATTN_SM90_SPLIT_TAIL=0 turns it off, =1 splits wherever a round is partly filled,
+        whatever the model says (comparisons, tests); DUALATTN_SM90_SPLIT_TAIL_GROUPS=n splits
+        n groups (comparisons)."""
         return (cls.paired(spec) and spec.mode == "batched" and spec.window[0] < 0
                 and not cls.stream_k(spec) and _SPLIT_TAIL_ENV != "0")
 
     @classmethod
-    def split_tail_groups(cls, spec, num_sms: int) -> int:
-        """Groups of heads whose tiles the launch splits (tile_order.split_tail_plan): the
-        busiest CTA's modelled work (a tile: its key blocks, from paired_key_blocks, plus
-        SPLIT_TAIL_TILE_OVERHEAD) must drop by 1 %, and the tail heads' K/V, which run at
-        once, must fit an L2 section. 0 for whole pairs."""
+    def split_tail_schedule(cls, spec, num_sms: int) -> Tuple[int, int, list]:
+        """(groups of heads split, tail rounds, tail table) of the launch (tile_order.split_tail_plan):
+        the tail's tiles go to the CTAs longest-processing-time first (a tile: its key blocks,
+        from paired_key_blocks, plus SPLIT_TAIL_TILE_OVERHEAD); of the tail sizes whose heads'
+        K/V fit an L2 section, the best modelled one, if the busiest CTA's work drops by 1 %.
+        (0, 0, []) for whole pairs."""
         tile_m = cls.config(spec)[0]
         g = cls.pack_gqa(spec)
         num_m_blocks = -(-(g * spec.seqlen_q) // tile_m)
@@ -1075,10 +1080,16 @@ class FastSm90Forward:
         def fits(heads):
             return heads <= heads_per_section(spec.seqlen_k, row_bytes, max) * share
 
+        def cost(m):
+            return key_blocks(m) + SPLIT_TAIL_TILE_OVERHEAD
+
+        ctas = min(units, num_sms)
+        if _SPLIT_TAIL_GROUPS_ENV:  # a fixed tail (comparisons)
+            tail = int(_SPLIT_TAIL_GROUPS_ENV)
+            return (tail, *split_tail_table(num_m_blocks, hb, ctas, tail, cost)[:2]) if tail else (0, 0, [])
         forced = _SPLIT_TAIL_ENV == "1"
-        return split_tail_plan(num_m_blocks, hb, min(units, num_sms),
-                               lambda m: key_blocks(m) + SPLIT_TAIL_TILE_OVERHEAD,
-                               (lambda heads: True) if forced else fits, -1.0 if forced else SPLIT_TAIL_MIN_GAIN)
+        return split_tail_plan(num_m_blocks, hb, ctas, cost, (lambda heads: True) if forced else fits,
+                               -1.0 if forced else SPLIT_TAIL_MIN_GAIN)
 
     @classmethod
     def _stream_k_order(cls, spec) -> bool:
@@ -1271,8 +1282,9 @@ class FastSm90Forward:
             fields += [(f"{t}_stride_{m}", "i64") for t in "qkv" for m in "bsh"]
         fields += [("scale_log2", "f32"), ("win_left", "i32"), ("win_right", "i32"),
                    ("softcap_scale", "f32"), ("softcap", "f32"), ("num_sms", "i32")]
-        if FastSm90Forward.split_tail(spec):  # groups of heads split (FlashFwdSm90.from_packed)
-            fields += [("split_tail_groups", "i32")]
+        if FastSm90Forward.split_tail(spec):  # the split tail (FlashFwdSm90.from_packed)
+            fields += [("split_tail_groups", "i32"), ("split_tail_table", ("ptr", cutlass.Int32, 4)),
+                       ("split_tail_rounds", "i32")]
         # feature fields (FlashFwdSm90.feature_args): flat int32 arrays + element strides
         if spec.has_key_ranges:
             fields += [("key_ranges", ("ptr", cutlass.Int32, 8)), ("kr_sb", "i32"), ("kr_sh", "i32")]
@@ -1310,11 +1322,38 @@ class FastSm90Forward:
         return self.compile_for(spec, arch, keep_ptx)
 
     @classmethod
-    def scalar_fields(cls, spec, num_sms: int) -> tuple:
+    def scalar_fields(cls, spec, num_sms: int, device=None) -> tuple:
         """The packed fields after the q/k/v strides (arg_schema): runtime_scalars, the SM count
-        the persistent grid is sized by, and with split_tail the tail's groups of heads."""
-        split = (cls.split_tail_groups(spec, num_sms),) if cls.split_tail(spec) else ()
-        return (*cls.runtime_scalars(spec), num_sms, *split)
+        the persistent grid is sized by, and with split_tail the tail's groups of heads, its
+        table on ``device`` (split_tail_table; kept alive here) and its rounds. Without a device,
+        or while a CUDA graph is being captured (a first call of the shape inside a capture: no
+        host-to-device copy there), whole pairs."""
+        if not cls.split_tail(spec):
+            return (*cls.runtime_scalars(spec), num_sms)
+        groups, rounds, table = cls.split_tail_schedule(spec, num_sms)
+        ptr = cls._tail_table(device, table) if groups else 0
+        if not ptr:
+            groups, rounds = 0, 0
+        return (*cls.runtime_scalars(spec), num_sms, groups, ptr, rounds)
+
+    _tail_tables: dict = {}
+
+    @classmethod
+    def _tail_table(cls, device, table) -> int:
+        """Device address of a split tail's table on ``device``, made once per table (keyed by
+        its contents: knobs change the plan of one spec), 0 where it cannot be: no device, or a
+        graph capture in progress."""
+        if device is None:
+            return 0
+        key = (device.index, tuple(table))
+        t = cls._tail_tables.get(key)
+        if t is None:
+            if torch.cuda.is_current_stream_capturing():
+                return 0
+            if len(cls._tail_tables) > 4096:
+                cls._tail_tables.clear()
+            t = cls._tail_tables[key] = torch.tensor(table, dtype=torch.int32, device=device)
+        return t.data_ptr()
 
     @staticmethod
     def runtime_scalars(spec):
@@ -1360,8 +1399,11 @@ class FastSm90Forward:
         sk_plan = ((*self.stream_k_plan(spec, device), self.config(spec)[0] // 64, self.paired(spec))
                    if self.stream_k(spec) else None)
         # the grid's CTAs: the SMs, or with every unit cut pieces x units (FlashFwdSm90.__call__)
-        tail = self.scalar_fields(spec, sk_plan[3] if sk_plan is not None and sk_plan[2] else _num_sms(device))
+        tail = self.scalar_fields(spec, sk_plan[3] if sk_plan is not None and sk_plan[2] else _num_sms(device),
+                                  device)
         hit = (DirectLauncher(fn), self.arg_schema(spec).pack, tail, sk_plan)
+        if self.split_tail(spec) and torch.cuda.is_current_stream_capturing():
+            return hit  # (whole pairs in this capture; the next call outside one plans the tail)
         if len(self._entries) > 4096:  # specs carry shapes: keep the memo bounded
             self._entries.clear()
         self._entries[ek] = hit

@@ -53,7 +53,7 @@ from dualattn.fast.common.block_info import (block_needs_mask, csr_block_at, csr
 from dualattn.fast.common.tile_order import (STREAM_K_PIECES_PER_CTA, heads_per_section,
                                               heavy_first_in_sections, pair_of_unit, paired_slot,
                                               paired_tile, paired_units, rotated_m_block,
-                                              split_tail_slots,
+                                              split_tail_pair_slots, split_tail_slots,
                                               split_tail_tile, stream_k_piece,
                                               light_query_blocks, window_order_slots, window_order_tile,
                                               tile_share)
@@ -347,10 +347,10 @@ class FlashFwdSm90:
         # (tile_order.paired_tile; FastSm90Forward.paired decides)
         assert not paired or (persistent and self.mask_right and not self.dynamic_mask)
         self.paired = paired
-        # the paired order's last units as single tiles, heaviest first, dealt in a snake
-        # (tile_order.split_tail_tile): the partly filled last round of pairs too short for
-        # stream-K (FastSm90Forward.split_tail compiles it in; the launch passes how many groups
-        # of heads, 0 for none, as sk = (groups,))
+        # the paired order's last units as single tiles, heaviest first, each to the least loaded
+        # CTA (tile_order.split_tail_tile / split_tail_table): the partly filled last round of
+        # pairs too short for stream-K (FastSm90Forward.split_tail compiles it in; the launch
+        # passes sk = (groups of heads, 0 for none; the table of tail tiles; its rounds))
         assert not split_tail or (paired and not (varlen or stream_k))
         self.split_tail = split_tail
         # varlen causal / right-bounded tiles heaviest first within L2 sections of (sequence,
@@ -633,8 +633,9 @@ class FlashFwdSm90:
         pointers, shapes, strides and the scalars; no DLPack conversion per call."""
         vals = args.values
         mQ, mK, mV, mO, mLSE = self.tensors_from_pointers(*vals[:19])
-        if const_expr(self.split_tail):  # the tail's groups of heads follow num_sms
-            self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None, sk=(vals[25],))
+        if const_expr(self.split_tail):  # the tail's groups of heads, table and rounds follow num_sms
+            sk = (vals[25], cute.make_tensor(vals[26], cute.make_layout(1 << 30)), vals[27])
+            self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None, sk=sk)
         else:
             self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None,
                           *self.feature_args(vals[25:]))
@@ -808,7 +809,7 @@ class FlashFwdSm90:
         elif const_expr(self.paired and self.split_tail):
             n = split_tail_slots(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
                                  cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]),
-                                 cute.arch.grid_dim()[0], sk[0], cutlass.min)
+                                 cute.arch.grid_dim()[0], sk[0], sk[2], cutlass.min)
         elif const_expr(self.window_order):
             n = window_order_slots(n, cute.arch.grid_dim()[0])
         elif const_expr(self.paired):
@@ -977,8 +978,8 @@ class FlashFwdSm90:
         section is then consecutive heads of one sequence, then the next). Causal on the persistent grid (``paired``): pairs of query blocks of equal
         total work, one pair per CTA at a time (tile_order.paired_tile). ``placed``: the
         (m_block, batch * heads + head, active) of the tile when the caller has placed it
-        (paired_item_coords) instead of a linear index. ``split``: (tail groups,) of the paired
-        order with its tail split (split_tail).
+        (paired_item_coords) instead of a linear index. ``split``: (tail groups, tail table, tail
+        rounds) of the paired order with its tail split (split_tail).
         """
         BM, BN = self.tile_m, self.tile_n
         seqlen_q = cute.size(mQ.shape[0])  # g * Sq rows with pack_gqa
@@ -1009,8 +1010,13 @@ class FlashFwdSm90:
                 # per tile; FastSm90Forward.paired keeps it to calls of few, long sequences)
                 m_block, rest, active = self.varlen_paired_tile(tile, vl, num_heads)
             elif const_expr(self.paired and self.split_tail):
-                m_block, rest, active = split_tail_tile(tile, cute.arch.grid_dim()[0], num_m_blocks,
-                                                        hb, split[0], cutlass.max, cutlass.min)
+                gx = cute.arch.grid_dim()[0]
+                pair_slots = split_tail_pair_slots(num_m_blocks, hb, gx, split[0], cutlass.min)
+                tail_j = Int32(-1)
+                if tile >= pair_slots:  # a tail slot: the launch's table says which tile
+                    tail_j = split[1][tile - pair_slots]
+                m_block, rest, active = split_tail_tile(tile, gx, num_m_blocks, hb, split[0], tail_j,
+                                                        cutlass.max, cutlass.min)
             elif const_expr(self.paired):
                 m_block, rest, active = paired_tile(tile, cute.arch.grid_dim()[0], num_m_blocks, hb)
             elif const_expr(self.window_order):
