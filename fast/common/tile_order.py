@@ -160,7 +160,7 @@ def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
 def split_tail_groups(units, units_per_group, num_groups, num_ctas, minimum):
     """The smallest tail that covers the grid's partly filled last round and one round more
     (G + R units' worth of whole groups of heads); 0 where every round is full (R = 0, also when
-    there are no more units than CTAs). The plan's search starts there."""
+    there are no more units than CTAs). The plan's search goes no further."""
     rem = units - (units // num_ctas) * num_ctas
     return (minimum((num_ctas + rem + units_per_group - 1) // units_per_group, num_groups)
             * minimum(rem, 1))
