@@ -92,7 +92,9 @@ def attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, scale=None
                                 key_ranges=key_ranges, block_sparse=block_sparse, deterministic=deterministic,
                                 return_lse=return_lse, needs_grad=needs_grad)
     out, lse = run_call(call, impl)
-    if launch_key is not None and hit is None:
+    # (a launch planned inside a CUDA graph capture may differ from an eager one: fast-sm90's
+    # split tail cannot copy its table to the GPU there, so the next eager call remembers)
+    if launch_key is not None and hit is None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
         _remember_launcher(launch_key, call, impl)
     return (out, lse) if return_lse else out
 

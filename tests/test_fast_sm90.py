@@ -956,6 +956,71 @@ def test_stream_k_in_cuda_graphs_and_on_two_streams(tmp_path, flag):
     assert r["bitwise"], "graph replays / other streams gave other bits"
 
 
+def _run_split_tail_graph_worker(out_path: str) -> None:
+    """A split-tail call (32 causal pairs on 5 CTAs, the split forced) first launched inside a
+    CUDA graph capture, where its launch cannot copy the tail's table to the GPU and runs whole
+    pairs (and is not memoised), then eagerly (the planned tail, its table made), then captured
+    again (the table). The orders move whole tiles, so every result is bitwise equal to the
+    eager one, which passes the oracle."""
+    import dualattn.fast.sm90 as sm90
+    from dualattn.accuracy import check_outputs
+
+    sm90._NUM_SMS_ENV, sm90._SPLIT_TAIL_ENV, sm90._STREAM_K_ENV = "5", "1", "0"
+    import dualattn
+    from dualattn import dispatch
+
+    qw, kw, vw, warm, impl = _seeded_call(3, 1000, 4, 128, True)
+    # the same kernels (with and without the LSE), another shape: compiled and loaded outside
+    # the captures
+    impl.forward(warm)
+    dualattn.attention(qw, kw, vw, causal=True, impl="fast")
+    q, k, v, call, impl = _seeded_call(2, 1000, 4, 128, True)
+    key = (call.spec, q.device.index)
+    torch.cuda.synchronize()
+    graphs, outs = [], []
+    first = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first):
+        o_1, lse_1 = impl.forward(call)
+    rec = {"impl": impl.name, "memo_after_capture": key in impl._entries}
+    o_ref, lse_ref = impl.forward(call)
+    torch.cuda.synchronize()
+    rec["groups"] = impl._entries[key][2][-3]
+    second = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(second):
+        o_2, lse_2 = impl.forward(call)
+    for graph, o, lse in ((first, o_1, lse_1), (second, o_2, lse_2)):
+        graph.replay()
+        torch.cuda.synchronize()
+        outs.append((o.clone(), lse.clone()))
+    # the public call: nothing remembered for its arguments inside the capture, the eager one does
+    third = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(third):
+        o_3 = dualattn.attention(q, k, v, causal=True, impl="fast")
+    remembered = len(dispatch.LAUNCH_MEMO)
+    o_4 = dualattn.attention(q, k, v, causal=True, impl="fast")
+    rec["memo_grew"] = (remembered, len(dispatch.LAUNCH_MEMO))
+    third.replay()
+    torch.cuda.synchronize()
+    outs.append((o_3.clone(), lse_ref))
+    outs.append((o_4, lse_ref))
+    checks = check_outputs(call, o_ref, lse_ref)
+    rec["checks"] = [str(c) for c in checks]
+    rec["ok"] = all(c.ok for c in checks)
+    rec["bitwise"] = all(torch.equal(o, o_ref) and torch.equal(lse, lse_ref) for o, lse in outs)
+    with open(out_path, "w") as f:
+        f.write(json.dumps(rec))
+
+
+@pytest.mark.gpu
+def test_split_tail_first_launched_inside_a_cuda_graph_capture(tmp_path):
+    r = _subprocess_record("--split-tail-graph", tmp_path)
+    assert r["impl"] == "fast-sm90" and r["groups"] > 0, r
+    assert not r["memo_after_capture"], "a launch planned inside a capture was memoised"
+    assert r["memo_grew"][1] == r["memo_grew"][0] + 1, r["memo_grew"]
+    assert r["ok"], "; ".join(r["checks"])
+    assert r["bitwise"], "whole pairs / the split tail gave other bits"
+
+
 if __name__ == "__main__" and len(sys.argv) >= 3 and sys.argv[1] == "--summary":
     _summary(sys.argv[2:])
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--worker":
@@ -964,3 +1029,5 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--overhead"
     _run_overhead_worker(sys.argv[2])
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1].startswith("--stream-k-graph"):
     _run_stream_k_graph_worker(sys.argv[2], causal=sys.argv[1].endswith("-causal"))
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--split-tail-graph":
+    _run_split_tail_graph_worker(sys.argv[2])
