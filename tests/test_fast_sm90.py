@@ -882,16 +882,29 @@ def test_key_ranges_and_block_sparse_match_oracle(results, case):
 
 
 def _summary(paths) -> None:
-    """Print a compact summary of worker JSONL files (for runs of the workers by hand)."""
-    n_ok, bad = 0, []
+    """Print a compact summary of worker JSONL files (for runs of the workers by hand). With a
+    first argument ``--expect=REGEX``, every case whose name matches REGEX must have a record: a
+    worker stopped by its timeout writes no line for the cases it did not reach, and those count
+    as failed (MISSING)."""
+    import re
+
+    expect = None
+    if paths and paths[0].startswith("--expect="):
+        expect, paths = paths[0].split("=", 1)[1], paths[1:]
+    n_ok, bad, seen = 0, [], set()
     for p in paths:
         for line in open(p):
             r = json.loads(line)
+            seen.add(r["name"])
             good = (r.get("ok") and r.get("bitwise") and "error" not in r
                     and r.get("impl") == "fast-sm90")
             n_ok += bool(good)
             if not good:
                 bad.append(r)
+    if expect is not None:
+        bad += [{"name": c[0], "error": "MISSING: no record (its worker stopped before it, e.g. its timeout)",
+                 "bitwise": True} for c in CASES + VARLEN_CASES + FEATURE_CASES
+                if re.search(expect, c[0]) and c[0] not in seen]
     print(f"sm90 worker cases: {n_ok} ok, {len(bad)} failed")
     for r in bad:
         print("FAIL", r["name"], r.get("impl"), r.get("error", ""), "bitwise" if not r.get("bitwise") else "",
