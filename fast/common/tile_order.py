@@ -210,14 +210,30 @@ def split_tail_tile(tile, num_ctas, num_m_blocks, num_bh, tail, tail_j, maximum,
     return m_block, bh, valid
 
 
-def _tail_loads(num_m_blocks, num_bh, num_ctas, tail, costs):
-    """(each CTA's modelled work before the tail: its whole pairs at the mean unit's cost, tail
-    heads, CTAs with one pair more)."""
+def pair_prefix(num_m_blocks, num_bh, num_ctas, tile_cost):
+    """Per CTA, the running modelled work of the whole pairs the paired order's stride gives it
+    (CTA c runs units c, c + G, ...): ``prefix[c][i]`` is its first i units' work, each tile
+    ``tile_cost(m_block)`` (units differ: an odd count's middle unit, tiles whose key blocks do
+    not grow evenly, such as 192-row tiles on 128-key blocks). O(units), once per plan."""
     _, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
+    prefix = [[0.0] for _ in range(num_ctas)]
+    # (whole groups: a lone last head's group has slots past its units, which cost nothing)
+    for u in range(-(-num_bh // heads_per_group) * units_per_group):
+        work = 0.0
+        for second in (0, 1):
+            m, _, valid = pair_of_unit(u, second, num_m_blocks, num_bh)
+            work += tile_cost(m) if valid else 0.0
+        runs = prefix[u % num_ctas]
+        runs.append(runs[-1] + work)
+    return prefix
+
+
+def _tail_loads(num_m_blocks, num_bh, num_ctas, tail, prefix):
+    """(each CTA's modelled work before the tail: its whole pairs, tail heads, CTAs with one pair
+    more)."""
     dp_units, _, _, heads = _split_tail(num_m_blocks, num_bh, num_ctas, tail, min)
-    unit_cost = sum(costs) * heads_per_group / units_per_group
     base, extra = dp_units // num_ctas, dp_units % num_ctas
-    return [(base + (c < extra)) * unit_cost for c in range(num_ctas)], heads, extra
+    return [prefix[c][base + (c < extra)] for c in range(num_ctas)], heads, extra
 
 
 def _lpt(num_m_blocks, num_ctas, loads, heads, extra, costs):
@@ -247,14 +263,17 @@ def _snake(num_m_blocks, num_ctas, loads, heads, extra, costs):
 TAIL_DEALS = {"lpt": _lpt, "snake": _snake}
 
 
-def split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal="lpt"):
+def split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal="lpt", prefix=None):
     """(rounds, table, busiest CTA's modelled work) of the tail's tiles dealt to the CTAs
     (``deal``: "lpt", longest-processing-time first: each tile, heaviest first, to the CTA with
-    the least work so far, whole pairs counted; or "snake", alternate rounds forwards and
-    backwards from the CTAs with fewer pairs). ``table[k * num_ctas + c]`` is CTA c's k-th tail
-    tile, -1 past its last. Host-side, O(tail tiles x log CTAs)."""
+    the least work so far, its whole pairs counted (``prefix``: pair_prefix's, made here if not
+    given); or "snake", alternate rounds forwards and backwards from the CTAs with fewer pairs).
+    ``table[k * num_ctas + c]`` is CTA c's k-th tail tile, -1 past its last. Host-side, O(tail
+    tiles x log CTAs)."""
     costs = [tile_cost(num_m_blocks - 1 - m) for m in range(num_m_blocks)]  # heaviest first
-    loads, heads, extra = _tail_loads(num_m_blocks, num_bh, num_ctas, tail, costs)
+    if prefix is None:
+        prefix = pair_prefix(num_m_blocks, num_bh, num_ctas, tile_cost)
+    loads, heads, extra = _tail_loads(num_m_blocks, num_bh, num_ctas, tail, prefix)
     per_cta = TAIL_DEALS[deal](num_m_blocks, num_ctas, loads, heads, extra, costs)
     rounds = max(len(r) for r in per_cta)
     table = [-1] * (rounds * num_ctas)
@@ -288,8 +307,8 @@ def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda 
     smallest = split_tail_groups(units, units_per_group, num_groups, num_ctas, min)
     if smallest == 0:
         return 0, 0, []
-    unit_cost = sum(tile_cost(m) for m in range(num_m_blocks)) * heads_per_group / units_per_group
-    whole = -(-units // num_ctas) * unit_cost
+    prefix = pair_prefix(num_m_blocks, num_bh, num_ctas, tile_cost)
+    whole = max(p[-1] for p in prefix)
 
     def heads_of(tail):
         return _split_tail(num_m_blocks, num_bh, num_ctas, tail, min)[3]
@@ -302,7 +321,8 @@ def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda 
     plans = []
     for tail in tries:
         for deal in TAIL_DEALS:
-            rounds, table, busiest = split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal)
+            rounds, table, busiest = split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal,
+                                                      prefix)
             plans.append((busiest, tail, rounds, table))
     # the smallest tail within SPLIT_TAIL_SLACK of the best (see above)
     least = min(p[0] for p in plans)

@@ -1063,10 +1063,11 @@ class FastSm90Forward:
     @classmethod
     def split_tail_schedule(cls, spec, num_sms: int) -> Tuple[int, int, list]:
         """(groups of heads split, tail rounds, tail table) of the launch (tile_order.split_tail_plan):
-        the tail's tiles go to the CTAs longest-processing-time first (a tile: its key blocks,
-        from paired_key_blocks, plus SPLIT_TAIL_TILE_OVERHEAD); of the tail sizes whose heads'
-        K/V fit an L2 section, the best modelled one, if the busiest CTA's work drops by 1 %.
-        (0, 0, []) for whole pairs."""
+        the tail's tiles go to the CTAs longest-processing-time first or in a snake, against
+        each CTA's own whole pairs (a tile: its key blocks, from paired_key_blocks, plus
+        SPLIT_TAIL_TILE_OVERHEAD); of the tail sizes whose heads' K/V fit an L2 section, up to the
+        smallest covering the partly filled round, the smallest within 0.5 % of the best
+        modelled one, if the busiest CTA's work drops by 1 %. (0, 0, []) for whole pairs."""
         tile_m = cls.config(spec)[0]
         g = cls.pack_gqa(spec)
         num_m_blocks = -(-(g * spec.seqlen_q) // tile_m)
