@@ -61,6 +61,8 @@ _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forw
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
 # a fixed count of tail groups (comparisons; see FastSm90Forward.split_tail_schedule)
 _SPLIT_TAIL_GROUPS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL_GROUPS", "")  # (split_tail)
+# the modelled tile overhead in key blocks (comparisons; default SPLIT_TAIL_TILE_OVERHEAD)
+_SPLIT_TAIL_OVERHEAD_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL_OVERHEAD", "")
 # units cut into pieces on P CTAs each (FastSm90Forward.stream_k_plan): "0" keeps one CTA per
 # unit, a number caps the pieces a unit is cut into (tile_order.SPLIT_MAX_PIECES by default)
 _SPLIT_UNITS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_UNITS", "")
@@ -1081,8 +1083,10 @@ class FastSm90Forward:
         def fits(heads):
             return heads <= heads_per_section(spec.seqlen_k, row_bytes, max) * share
 
+        overhead = float(_SPLIT_TAIL_OVERHEAD_ENV or SPLIT_TAIL_TILE_OVERHEAD)
+
         def cost(m):
-            return key_blocks(m) + SPLIT_TAIL_TILE_OVERHEAD
+            return key_blocks(m) + overhead
 
         ctas = min(units, num_sms)
         if _SPLIT_TAIL_GROUPS_ENV:  # a fixed tail (comparisons)
