@@ -5,7 +5,8 @@ other properties do not reach stream-K's tail cuts, the split of small grids int
 (tile_order.split_pieces) or the causal chunks' plain order. Here the grid is drawn too: the SM
 count the launch sizes its grid by (DUALATTN_SM90_NUM_SMS), the keys a piece keeps, the cap on
 pieces and stream-K's key minimum (module knobs, read at call time), so that drawn shapes
-take those paths.
+take those paths (and the causal pairs' split tail, tile_order.split_tail_table, planned or
+forced).
 
 * ``test_sm90_split_plans_leave_no_piece_empty`` (no GPU): the launch's plan for drawn shapes
   and grids never gives a unit a piece that holds none of the key blocks the unit visits. Such a
@@ -33,13 +34,14 @@ SM90_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (192, 192), (256, 256), (192, 
 
 
 @contextlib.contextmanager
-def sm90_grid(num_sms: int, piece_keys: int, max_pieces: str, stream_k_min_keys: str):
+def sm90_grid(num_sms: int, piece_keys: int, max_pieces: str, stream_k_min_keys: str, split_tail: str = ""):
     """fast-sm90's grid knobs for one example; the launch memo is cleared on both sides, since it
     keeps a spec's plan."""
     import dualattn.fast.sm90 as sm90
-    names = ("_NUM_SMS_ENV", "_SPLIT_PIECE_KEYS_ENV", "_SPLIT_UNITS_ENV", "_STREAM_K_MIN_KEYS_ENV")
+    names = ("_NUM_SMS_ENV", "_SPLIT_PIECE_KEYS_ENV", "_SPLIT_UNITS_ENV", "_STREAM_K_MIN_KEYS_ENV",
+             "_SPLIT_TAIL_ENV")
     saved = {n: getattr(sm90, n) for n in names}
-    values = (str(num_sms), str(piece_keys) if piece_keys else "", max_pieces, stream_k_min_keys)
+    values = (str(num_sms), str(piece_keys) if piece_keys else "", max_pieces, stream_k_min_keys, split_tail)
     sm90.FORWARD._entries.clear()
     try:
         for n, v in zip(names, values):
@@ -57,6 +59,8 @@ def grids(max_sms: int):
         "piece_keys": st.sampled_from([0, 128, 192, 256, 384, 512, 1024]),  # 0: the default
         "max_pieces": st.sampled_from(["", "", "2", "3", "5", "8"]),
         "stream_k_min_keys": st.sampled_from(["", "0", "0", "0"]),  # "0": short keys are cut too
+        # causal pairs that stream-K does not cut: the launch's split-tail plan, or forced ("1")
+        "split_tail": st.sampled_from(["", "", "1"]),
     })
 
 
@@ -158,6 +162,9 @@ def test_fast_sm90_small_grids_match_oracle(shard, case: Case, grid):
     with sm90_grid(**grid) as impl:
         assume(impl.can_implement(call.spec) is None)
         event(f"pieces: {impl.stream_k_plan(call.spec, inp.q.device)[2] if impl.stream_k(call.spec) else 'no cut'}")
+        if impl.split_tail(call.spec):
+            groups = impl.split_tail_schedule(call.spec, int(grid["num_sms"]))[0]
+            event("split tail" if groups else "split-tail config, whole pairs")
         harness.assert_matches_oracle(inp, impls=[impl])
         runs = [harness.run(impl, inp, call=call)[0][:2] for _ in range(3)]
         for out, lse in runs[1:]:
