@@ -1341,22 +1341,24 @@ class FastSm90Forward:
             groups, rounds = 0, 0
         return (*cls.runtime_scalars(spec), num_sms, groups, ptr, rounds)
 
+    # split-tail tables on the GPU by (device, contents). Never freed: a captured CUDA graph and
+    # the launchers remembered by dualattn.attention hold their addresses, not the tensors. At
+    # most TAIL_TABLES (a table is 1-10 KB), then new shapes run whole pairs.
     _tail_tables: dict = {}
+    TAIL_TABLES = 4096
 
     @classmethod
     def _tail_table(cls, device, table) -> int:
         """Device address of a split tail's table on ``device``, made once per table (keyed by
-        its contents: knobs change the plan of one spec), 0 where it cannot be: no device, or a
-        graph capture in progress."""
+        its contents: knobs change the plan of one spec), 0 where it cannot be: no device, a
+        graph capture in progress, or TAIL_TABLES tables made already."""
         if device is None:
             return 0
         key = (device.index, tuple(table))
         t = cls._tail_tables.get(key)
         if t is None:
-            if torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_current_stream_capturing() or len(cls._tail_tables) >= cls.TAIL_TABLES:
                 return 0
-            if len(cls._tail_tables) > 4096:
-                cls._tail_tables.clear()
             t = cls._tail_tables[key] = torch.tensor(table, dtype=torch.int32, device=device)
         return t.data_ptr()
 
