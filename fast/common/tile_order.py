@@ -236,31 +236,40 @@ def _tail_loads(num_m_blocks, num_bh, num_ctas, tail, prefix):
     return [prefix[c][base + (c < extra)] for c in range(num_ctas)], heads, extra
 
 
-def _lpt(num_m_blocks, num_ctas, loads, heads, extra, costs):
-    """Per CTA, its tail tiles: each tile in order (heaviest first; ``costs`` by j // heads) to
-    the CTA with the least work so far, ties to the lowest CTA."""
+def _lpt(num_m_blocks, num_ctas, loads, heads, extra, costs, per_cta):
+    """Deal the tail tiles in order (heaviest first; ``costs`` by j // heads), each to the CTA
+    with the least work so far, ties to the lowest CTA; appends them to ``per_cta`` (if given)
+    and returns the busiest CTA's work."""
     heap = [(w, c) for c, w in enumerate(loads)]
     heapq.heapify(heap)
-    per_cta = [[] for _ in range(num_ctas)]
     for j in range(heads * num_m_blocks):
         work, c = heap[0]
-        per_cta[c].append(j)
+        if per_cta is not None:
+            per_cta[c].append(j)
         heapq.heapreplace(heap, (work + costs[j // heads], c))
-    return per_cta
+    return max(w for w, _ in heap)
 
 
-def _snake(num_m_blocks, num_ctas, loads, heads, extra, costs):
-    """Per CTA, its tail tiles dealt in a snake: round k deals tiles k G .. k G + G - 1 forwards
-    when k is even, backwards when odd, from the CTAs that ran one unit less (``extra`` on)."""
-    per_cta = [[] for _ in range(num_ctas)]
+def _snake(num_m_blocks, num_ctas, loads, heads, extra, costs, per_cta):
+    """Deal the tail tiles in a snake: round k deals tiles k G .. k G + G - 1 forwards when k
+    is even, backwards when odd, from the CTAs that ran one unit less (``extra`` on); appends
+    them to ``per_cta`` (if given) and returns the busiest CTA's work."""
+    loads = list(loads)
     for j in range(heads * num_m_blocks):
         k, pos = divmod(j, num_ctas)
-        pos = num_ctas - 1 - pos if k % 2 else pos
-        per_cta[(pos + extra) % num_ctas].append(j)
-    return per_cta
+        c = ((num_ctas - 1 - pos if k % 2 else pos) + extra) % num_ctas
+        loads[c] += costs[j // heads]
+        if per_cta is not None:
+            per_cta[c].append(j)
+    return max(loads)
 
 
 TAIL_DEALS = {"lpt": _lpt, "snake": _snake}
+
+
+def _deal(num_m_blocks, num_bh, num_ctas, tail, costs, deal, prefix, per_cta=None):
+    loads, heads, extra = _tail_loads(num_m_blocks, num_bh, num_ctas, tail, prefix)
+    return TAIL_DEALS[deal](num_m_blocks, num_ctas, loads, heads, extra, costs, per_cta)
 
 
 def split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal="lpt", prefix=None):
@@ -273,34 +282,33 @@ def split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal="lpt"
     costs = [tile_cost(num_m_blocks - 1 - m) for m in range(num_m_blocks)]  # heaviest first
     if prefix is None:
         prefix = pair_prefix(num_m_blocks, num_bh, num_ctas, tile_cost)
-    loads, heads, extra = _tail_loads(num_m_blocks, num_bh, num_ctas, tail, prefix)
-    per_cta = TAIL_DEALS[deal](num_m_blocks, num_ctas, loads, heads, extra, costs)
+    per_cta = [[] for _ in range(num_ctas)]
+    busiest = _deal(num_m_blocks, num_bh, num_ctas, tail, costs, deal, prefix, per_cta)
     rounds = max(len(r) for r in per_cta)
     table = [-1] * (rounds * num_ctas)
     for c, r in enumerate(per_cta):
         for k, j in enumerate(r):
             table[k * num_ctas + c] = j
-        loads[c] += sum(costs[j // heads] for j in r)
-    return rounds, table, max(loads)
+    return rounds, table, busiest
 
 
 SPLIT_TAIL_MIN_GAIN = 0.01  # see split_tail_plan
 SPLIT_TAIL_SLACK = 0.005    # see split_tail_plan
-SPLIT_TAIL_MAX_TRIES = 12   # tail sizes split_tail_plan models at most (host time: ~0.5 ms each)
+SPLIT_TAIL_SEARCH_TILES = 20000  # tail tiles split_tail_plan deals at most over its tries (~15 ms)
 
 
 def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda heads: True,
                     min_gain=SPLIT_TAIL_MIN_GAIN):
     """(groups, rounds, table) the launch passes (split_tail_tile, split_tail_table), or (0, 0,
     []) for whole pairs. Tail sizes up to the smallest that covers the partly filled round and
-    one more (split_tail_groups) whose heads' K/V fit L2 (``tail_fits(tail heads)``), at most
-    SPLIT_TAIL_MAX_TRIES of them spread evenly (that one always), are modelled with both deals
+    one more (split_tail_groups) whose heads' K/V fit L2 (``tail_fits(tail heads)``), every one
+    or evenly spread ones within SPLIT_TAIL_SEARCH_TILES dealt tiles, are modelled with both deals
     (``tile_cost(m_block)`` per tile); the smallest whose busiest CTA carries within
     SPLIT_TAIL_SLACK of the least is kept if that is ``min_gain`` below whole pairs' busiest
-    CTA. Larger tails model no better and measured slower: they trade more pairs (two tiles of
+    CTA. Larger tails measured slower: they trade more pairs (two tiles of
     one head back to back on a CTA) for single tiles of many heads at once, which the model does
     not price (H200, GQA 32/8 causal 2k: 34 / 106 groups against 25 ran 1.0 / 3.5 % slower;
-    13 groups, 2.8 % faster). Host-side, once per spec (the launch memo), 1-5 ms."""
+    13 groups level). Host-side, once per spec (the launch memo), 1-15 ms."""
     _, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
     units = paired_units(num_m_blocks, num_bh)
     num_groups = (num_bh + heads_per_group - 1) // heads_per_group
@@ -316,20 +324,22 @@ def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda 
     span = [t for t in range(1, smallest + 1) if tail_fits(heads_of(t))]
     if not span:
         return 0, 0, []
-    step = max(1, -(-len(span) // SPLIT_TAIL_MAX_TRIES))
+    # every size where the deals stay within SPLIT_TAIL_SEARCH_TILES tiles in all (the model is
+    # not monotone in the size: a 1.94-round GQA shape gains 2.6 % at 16 groups, nothing at 17),
+    # else evenly spaced ones
+    tiles = len(span) * (span[-1] + 1) * heads_per_group * num_m_blocks // 2
+    step = max(1, -(-tiles // SPLIT_TAIL_SEARCH_TILES))
     tries = sorted(set(span[::-step]))
-    plans = []
-    for tail in tries:
-        for deal in TAIL_DEALS:
-            rounds, table, busiest = split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal,
-                                                      prefix)
-            plans.append((busiest, tail, rounds, table))
+    costs = [tile_cost(num_m_blocks - 1 - m) for m in range(num_m_blocks)]  # heaviest first
+    plans = [(_deal(num_m_blocks, num_bh, num_ctas, tail, costs, deal, prefix), tail, deal)
+             for tail in tries for deal in TAIL_DEALS]
     # the smallest tail within SPLIT_TAIL_SLACK of the best (see above)
     least = min(p[0] for p in plans)
-    busiest, tail, rounds, table = min((p for p in plans if p[0] <= least * (1 + SPLIT_TAIL_SLACK)),
-                                       key=lambda p: (p[1], p[0]))
+    busiest, tail, deal = min((p for p in plans if p[0] <= least * (1 + SPLIT_TAIL_SLACK)),
+                              key=lambda p: (p[1], p[0]))
     if busiest > (1 - min_gain) * whole:
         return 0, 0, []
+    rounds, table, _ = split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal, prefix)
     return tail, rounds, table
 
 
