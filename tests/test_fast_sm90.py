@@ -923,6 +923,16 @@ def _seeded_call(B, S, H, D, causal=False):
     return q, k, v, call, select(call.spec, "fast")
 
 
+def _write_bitwise_record(out_path, rec, checks, outs, o_ref, lse_ref) -> None:
+    """The graph workers' JSON record: the oracle checks of the reference run and whether every
+    other run's (out, lse) equals it bit for bit."""
+    rec["checks"] = [str(c) for c in checks]
+    rec["ok"] = all(c.ok for c in checks)
+    rec["bitwise"] = all(torch.equal(o, o_ref) and torch.equal(lse, lse_ref) for o, lse in outs)
+    with open(out_path, "w") as f:
+        f.write(json.dumps(rec))
+
+
 def _run_stream_k_graph_worker(out_path: str, causal: bool = False) -> None:
     """A call that cuts tiles (stream-K) captured in a CUDA graph and replayed, beside eager calls
     on two streams: the counters the kernel leaves at zero (per stream when eager, zeroed by a
@@ -953,11 +963,7 @@ def _run_stream_k_graph_worker(out_path: str, causal: bool = False) -> None:
         outs.append((o_g.clone(), lse_g.clone()))
         outs.append(impl.forward(call))  # eager between replays, on the default stream
     torch.cuda.synchronize()
-    rec["checks"] = [str(c) for c in checks]
-    rec["ok"] = all(c.ok for c in checks)
-    rec["bitwise"] = all(torch.equal(o, o_ref) and torch.equal(lse, lse_ref) for o, lse in outs)
-    with open(out_path, "w") as f:
-        f.write(json.dumps(rec))
+    _write_bitwise_record(out_path, rec, checks, outs, o_ref, lse_ref)
 
 
 @pytest.mark.gpu
@@ -1016,12 +1022,7 @@ def _run_split_tail_graph_worker(out_path: str) -> None:
     torch.cuda.synchronize()
     outs.append((o_3.clone(), lse_ref))
     outs.append((o_4, lse_ref))
-    checks = check_outputs(call, o_ref, lse_ref)
-    rec["checks"] = [str(c) for c in checks]
-    rec["ok"] = all(c.ok for c in checks)
-    rec["bitwise"] = all(torch.equal(o, o_ref) and torch.equal(lse, lse_ref) for o, lse in outs)
-    with open(out_path, "w") as f:
-        f.write(json.dumps(rec))
+    _write_bitwise_record(out_path, rec, check_outputs(call, o_ref, lse_ref), outs, o_ref, lse_ref)
 
 
 @pytest.mark.gpu
