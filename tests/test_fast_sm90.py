@@ -305,6 +305,7 @@ _case("splittail", 3, 16, 1000, 12, 3, 128, "bfloat16", True, num_sms=3, stream_
 _case("splittail", 1, 4224, 4224, 3, 3, 64, "bfloat16", True, num_sms=7, stream_k="0", split_tail="1")  # 3 WGs
 _case("splittail", 1, 1024, 1024, 140, 140, 128, "bfloat16", True)  # 560 pairs on 132 SMs
 _case("splittail", 3, 1408, 1408, 21, 21, 128, "bfloat16", True)    # odd block count, odd head count
+# (these three and the two above split by the plan on 132 SMs, as H100 and H200 SXM have)
 _case("splittail", 3, 1500, 1500, 24, 24, 128, "bfloat16", True)    # 432 pairs: 4.2 rounds, LPT deal
 _case("splittail", 1, 2500, 2500, 40, 8, 128, "bfloat16", True)     # GQA: 5 heads share a tail's K/V
 _case("splittail", 8, 2048, 2048, 8, 8, 256, "bfloat16", True)      # hd256: the tail sized to fit L2
@@ -1000,7 +1001,8 @@ def _run_split_tail_graph_worker(out_path: str) -> None:
     first = torch.cuda.CUDAGraph()
     with torch.cuda.graph(first):
         o_1, lse_1 = impl.forward(call)
-    rec = {"impl": impl.name, "memo_after_capture": key in impl._entries}
+        groups_in_capture = impl._entry(call.spec, q.device)[2][-3]
+    rec = {"impl": impl.name, "memo_after_capture": key in impl._entries, "groups_in_capture": groups_in_capture}
     o_ref, lse_ref = impl.forward(call)
     torch.cuda.synchronize()
     rec["groups"] = impl._entries[key][2][-3]
@@ -1030,6 +1032,7 @@ def test_split_tail_first_launched_inside_a_cuda_graph_capture(tmp_path):
     r = _subprocess_record("--split-tail-graph", tmp_path)
     assert r["impl"] == "fast-sm90" and r["groups"] > 0, r
     assert not r["memo_after_capture"], "a launch planned inside a capture was memoised"
+    assert r["groups_in_capture"] == 0, "a launch inside a capture planned a tail"
     assert r["memo_grew"][1] == r["memo_grew"][0] + 1, r["memo_grew"]
     assert r["ok"], "; ".join(r["checks"])
     assert r["bitwise"], "whole pairs / the split tail gave other bits"

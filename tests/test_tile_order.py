@@ -205,7 +205,7 @@ def _tile_cost(m):
     return m + 1 + 1.2
 
 
-def _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail=None, table=None):
+def _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail=None, table=None, deal="lpt"):
     """Per CTA, the (m_block, bh) it runs in order with the paired order's last ``tail`` groups
     of heads split (split_tail_tile; default: the smallest tail, split_tail_groups') and the tail
     table (default: split_tail_table's LPT one), as the kernel's grid and slot loop give them,
@@ -215,7 +215,7 @@ def _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail=None, table=None):
         tail = _tail_groups(num_m_blocks, num_bh, ctas)
     rounds = 0
     if table is None:
-        rounds, table, _ = split_tail_table(num_m_blocks, num_bh, ctas, tail, _tile_cost)
+        rounds, table, _ = split_tail_table(num_m_blocks, num_bh, ctas, tail, _tile_cost, deal)
     else:
         rounds = len(table) // ctas
     pair_slots = split_tail_pair_slots(num_m_blocks, num_bh, ctas, tail, min)
@@ -238,17 +238,23 @@ def _busiest(runs):
     (9, 40, 7), (16, 128, 1), (5, 2, 4), (1, 1, 1), (3, 43, 1), (7, 3, 4), (33, 5, 9)]
     + [(1 + (i * 7919) % 37, 1 + (i * 104729) % 301, 1 + (i * 1299709) % 140) for i in range(40)])
 def test_split_tail_runs_every_tile_once(num_m_blocks, num_bh, num_sms):
-    """Any number of split groups (0: whole pairs, up to all of them) covers every tile once,
-    each CTA's tail heaviest first, after its whole pairs; with 0 groups it is the paired order,
-    and the table past a CTA's last tail tile holds -1 (the kernel's slot loop skips those)."""
+    """Any number of split groups (0: whole pairs, up to all of them), dealt either way, covers
+    every tile once, each CTA's tail heaviest first, after its whole pairs; with 0 groups it is
+    the paired order, and a CTA's column of the table holds its tail tiles, then -1 to the end
+    (slots the kernel's loop skips)."""
     ctas = min(paired_units(num_m_blocks, num_bh), num_sms)
     num_groups = -(-num_bh // (1 + num_m_blocks % 2))
-    for tail in sorted({0, 1, _tail_groups(num_m_blocks, num_bh, ctas), num_groups // 2, num_groups}):
-        runs = _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail)
+    for tail, deal in [(t, d) for t in sorted({0, 1, _tail_groups(num_m_blocks, num_bh, ctas), num_groups // 2,
+                                               num_groups}) for d in ("lpt", "snake")]:
+        runs = _split_tail_schedule(num_m_blocks, num_bh, num_sms, tail, deal=deal)
         assert sorted(t for r in runs for t in r) == [(m, bh) for m in range(num_m_blocks)
-                                                      for bh in range(num_bh)], tail
-        rounds, table, _ = split_tail_table(num_m_blocks, num_bh, ctas, tail, _tile_cost)
-        assert len(table) == rounds * ctas and min(table, default=-1) >= -1
+                                                      for bh in range(num_bh)], (tail, deal)
+        rounds, table, _ = split_tail_table(num_m_blocks, num_bh, ctas, tail, _tile_cost, deal)
+        assert len(table) == rounds * ctas
+        for c in range(ctas):  # a CTA's entries: its tail tiles, then -1 to the table's end
+            column = table[c::ctas]
+            live = sum(j >= 0 for j in column)
+            assert all(j >= 0 for j in column[:live]) and all(j == -1 for j in column[live:]), (tail, deal, c)
         first_tail_head = split_tail_tile(split_tail_pair_slots(num_m_blocks, num_bh, ctas, tail, min),
                                           ctas, num_m_blocks, num_bh, tail, 0, max, min)[1]
         for r in runs:
@@ -312,6 +318,15 @@ def test_split_tail_counts_each_ctas_own_pairs():
                                       max, min)
         loads[t % 132] += cost(m) if valid else 0.0
     assert max(loads) / (sum(loads) / 132) < 1.015
+
+
+def test_split_tail_plan_returns_at_once_where_nothing_can_gain():
+    """Grids of many rounds (16 query blocks x 16384 heads on 132 SMs: 993 rounds of pairs) leave
+    whole pairs within 1 % of the mean: the plan returns whole pairs before its O(units) model."""
+    import time
+    start = time.perf_counter()
+    assert split_tail_plan(16, 16384, 132, _tile_cost) == (0, 0, [])
+    assert time.perf_counter() - start < 0.05
 
 
 def test_split_tail_plan_splits_where_its_model_gains_and_the_tail_fits_l2():

@@ -151,7 +151,7 @@ def paired_tile(tile, num_ctas, num_m_blocks, num_bh):
 # count first), or in a snake (round k forwards from the CTAs with fewer pairs, round k + 1
 # backwards), whichever models better: LPT wins on most shapes (a 4.2-round shape: 1.06 -> 1.02
 # of the mean), the snake on some with few tiles a CTA. The kernel reads the deal from a table of
-# tail tile numbers, one per slot (round k of CTA c at k G + c, -1 for none), once per tail tile.
+# tail tile numbers, one per slot (round k of CTA c at k G + c, -1 for none), once per tail slot.
 # Nothing is cut, so nothing is merged. The tail's heads run at once, so their K/V must fit in
 # L2; the launch tries the tail sizes that fit, up to the smallest covering the partly filled round
 # and one more, and keeps the smallest of the best modelled ones, or none where it gains under
@@ -278,7 +278,7 @@ def split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal="lpt"
     the least work so far, its whole pairs counted (``prefix``: pair_prefix's, made here if not
     given); or "snake", alternate rounds forwards and backwards from the CTAs with fewer pairs).
     ``table[k * num_ctas + c]`` is CTA c's k-th tail tile, -1 past its last. Host-side, O(tail
-    tiles x log CTAs)."""
+    tiles x log CTAs), and O(units) for the prefix where none is given."""
     costs = [tile_cost(num_m_blocks - 1 - m) for m in range(num_m_blocks)]  # heaviest first
     if prefix is None:
         prefix = pair_prefix(num_m_blocks, num_bh, num_ctas, tile_cost)
@@ -294,7 +294,7 @@ def split_tail_table(num_m_blocks, num_bh, num_ctas, tail, tile_cost, deal="lpt"
 
 SPLIT_TAIL_MIN_GAIN = 0.01  # see split_tail_plan
 SPLIT_TAIL_SLACK = 0.005    # see split_tail_plan
-SPLIT_TAIL_SEARCH_TILES = 20000  # tail tiles split_tail_plan deals at most over its tries (~15 ms)
+SPLIT_TAIL_SEARCH_TILES = 20000  # tail tiles split_tail_plan deals over its tries, per deal (two deals)
 
 
 def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda heads: True,
@@ -308,15 +308,14 @@ def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda 
     CTA. Larger tails measured slower: they trade more pairs (two tiles of
     one head back to back on a CTA) for single tiles of many heads at once, which the model does
     not price (H200, GQA 32/8 causal 2k: 34 / 106 groups against 25 ran 1.0 / 3.5 % slower;
-    13 groups level). Host-side, once per spec (the launch memo), 1-15 ms."""
+    13 groups level). Host-side, once per spec (the launch memo): 1-11 ms at the bench's shapes;
+    grids of many rounds return before modelling (nothing to gain)."""
     _, heads_per_group, units_per_group = _pair_groups(num_m_blocks)
     units = paired_units(num_m_blocks, num_bh)
     num_groups = (num_bh + heads_per_group - 1) // heads_per_group
     smallest = split_tail_groups(units, units_per_group, num_groups, num_ctas, min)
     if smallest == 0:
         return 0, 0, []
-    prefix = pair_prefix(num_m_blocks, num_bh, num_ctas, tile_cost)
-    whole = max(p[-1] for p in prefix)
 
     def heads_of(tail):
         return _split_tail(num_m_blocks, num_bh, num_ctas, tail, min)[3]
@@ -324,13 +323,23 @@ def split_tail_plan(num_m_blocks, num_bh, num_ctas, tile_cost, tail_fits=lambda 
     span = [t for t in range(1, smallest + 1) if tail_fits(heads_of(t))]
     if not span:
         return 0, 0, []
+    # no plan's busiest CTA carries less than the mean, and whole pairs' busiest carries at most
+    # its rounds of the heaviest unit: where even that is within min_gain of the mean (many
+    # rounds), nothing can gain, and the O(units) model below is skipped
+    costs = [tile_cost(num_m_blocks - 1 - m) for m in range(num_m_blocks)]  # heaviest first
+    heaviest_unit = max([costs[p] + costs[num_m_blocks - 1 - p] for p in range(num_m_blocks // 2)]
+                        + [2 * costs[num_m_blocks // 2]] * (num_m_blocks % 2))
+    mean = num_bh * sum(costs) / num_ctas
+    if mean > (1 - min_gain) * -(-units // num_ctas) * heaviest_unit:
+        return 0, 0, []
+    prefix = pair_prefix(num_m_blocks, num_bh, num_ctas, tile_cost)
+    whole = max(p[-1] for p in prefix)
     # every size where the deals stay within SPLIT_TAIL_SEARCH_TILES tiles in all (the model is
     # not monotone in the size: a 1.94-round GQA shape gains 2.6 % at 16 groups, nothing at 17),
     # else evenly spaced ones
     tiles = len(span) * (span[-1] + 1) * heads_per_group * num_m_blocks // 2
     step = max(1, -(-tiles // SPLIT_TAIL_SEARCH_TILES))
     tries = sorted(set(span[::-step]))
-    costs = [tile_cost(num_m_blocks - 1 - m) for m in range(num_m_blocks)]  # heaviest first
     plans = [(_deal(num_m_blocks, num_bh, num_ctas, tail, costs, deal, prefix), tail, deal)
              for tail in tries for deal in TAIL_DEALS]
     # the smallest tail within SPLIT_TAIL_SLACK of the best (see above)

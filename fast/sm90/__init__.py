@@ -1089,8 +1089,9 @@ class FastSm90Forward:
             return key_blocks(m) + overhead
 
         ctas = min(units, num_sms)
-        if _SPLIT_TAIL_GROUPS_ENV:  # a fixed tail (comparisons)
-            tail = int(_SPLIT_TAIL_GROUPS_ENV)
+        if _SPLIT_TAIL_GROUPS_ENV:  # a fixed tail (comparisons), at most every group
+            heads_per_group = 1 + num_m_blocks % 2
+            tail = max(0, min(int(_SPLIT_TAIL_GROUPS_ENV), -(-hb // heads_per_group)))
             return (tail, *split_tail_table(num_m_blocks, hb, ctas, tail, cost)[:2]) if tail else (0, 0, [])
         forced = _SPLIT_TAIL_ENV == "1"
         return split_tail_plan(num_m_blocks, hb, ctas, cost, (lambda heads: True) if forced else fits,
@@ -1335,8 +1336,10 @@ class FastSm90Forward:
         host-to-device copy there), whole pairs."""
         if not cls.split_tail(spec):
             return (*cls.runtime_scalars(spec), num_sms)
-        groups, rounds, table = cls.split_tail_schedule(spec, num_sms)
-        ptr = cls._tail_table(device, table) if groups else 0
+        groups, rounds, ptr = 0, 0, 0
+        if device is not None and not torch.cuda.is_current_stream_capturing():
+            groups, rounds, table = cls.split_tail_schedule(spec, num_sms)
+            ptr = cls._tail_table(device, table) if groups else 0
         if not ptr:
             groups, rounds = 0, 0
         return (*cls.runtime_scalars(spec), num_sms, groups, ptr, rounds)
@@ -1359,7 +1362,8 @@ class FastSm90Forward:
         if t is None:
             if torch.cuda.is_current_stream_capturing() or len(cls._tail_tables) >= cls.TAIL_TABLES:
                 return 0
-            t = cls._tail_tables[key] = torch.tensor(table, dtype=torch.int32, device=device)
+            # (setdefault: two threads making the same table keep one, and both use it)
+            t = cls._tail_tables.setdefault(key, torch.tensor(table, dtype=torch.int32, device=device))
         return t.data_ptr()
 
     @staticmethod
