@@ -1353,14 +1353,12 @@ class FastSm90Forward:
     @classmethod
     def _tail_table(cls, device, table) -> int:
         """Device address of a split tail's table on ``device``, made once per table (keyed by
-        its contents: knobs change the plan of one spec), 0 where it cannot be: no device, a
-        graph capture in progress, or TAIL_TABLES tables made already."""
-        if device is None:
-            return 0
+        its contents: knobs change the plan of one spec), 0 once TAIL_TABLES tables are made.
+        Not called inside a graph capture (scalar_fields)."""
         key = (device.index, tuple(table))
         t = cls._tail_tables.get(key)
         if t is None:
-            if torch.cuda.is_current_stream_capturing() or len(cls._tail_tables) >= cls.TAIL_TABLES:
+            if len(cls._tail_tables) >= cls.TAIL_TABLES:
                 return 0
             # (setdefault: two threads making the same table keep one, and both use it)
             t = cls._tail_tables.setdefault(key, torch.tensor(table, dtype=torch.int32, device=device))
