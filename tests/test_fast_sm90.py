@@ -311,6 +311,21 @@ _case("splittail", 1, 2500, 2500, 40, 8, 128, "bfloat16", True)     # GQA: 5 hea
 _case("splittail", 8, 2048, 2048, 8, 8, 256, "bfloat16", True)      # hd256: the tail sized to fit L2
 _case("splittail-off", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, stream_k="0",
       split_tail="0")
+# query tiles aligned to the sequence's end (FastSm90Forward.end_aligned): the first tile starts
+# before row 0 (Q's rows there zero-filled, none of its O or LSE rows stored: the guard rows
+# around the outputs stay NaN). hd64's 192-row tiles in pairs (a split tail; stream-K pieces on 9
+# SMs), alone (the plain order from 16k), bottom-right offsets both ways, hd192 / hd256, fp16
+# and softcap, a right window bound without causal, GQA, and forced on where tile_m == tile_n
+_case("endaligned", 2, 2048, 2048, 4, 4, 64, "bfloat16", True, model_sms=1)
+_case("endaligned", 1, 4096, 4096, 3, 3, 64, "bfloat16", True, num_sms=9)
+_case("endaligned", 1, 4000, 4000, 2, 2, 64, "bfloat16", True, "0", model_sms=1)
+_case("endaligned", 2, 2000, 2300, 4, 2, 64, "float16", True, model_sms=1)
+_case("endaligned", 2, 2300, 2000, 4, 4, 64, "bfloat16", True, model_sms=1)
+_case("endaligned", 2, 700, 700, 3, 1, 256, "bfloat16", True)
+_case("endaligned", 2, 333, 500, 4, 4, 192, "float16", True, softcap=20.0)
+_case("endaligned", 2, 1000, 1000, 4, 2, 256, "bfloat16", False, window=(-1, 37))
+_case("endaligned", 2, 1000, 777, 4, 4, 128, "bfloat16", True, end_aligned="1")
+_case("endaligned-off", 2, 2048, 2048, 4, 4, 64, "bfloat16", True, model_sms=1, end_aligned="0")
 
 
 # varlen: (name, seqlens_q, seqlens_k, Hq, Hkv, D, causal, kw); lengths include 0 and 1
@@ -636,6 +651,7 @@ def _run_worker(out_path: str, group: str) -> None:
             sm90._SPLIT_TAIL_ENV = kw.pop("split_tail", "")
             sm90._PASS_EMPTY_WG_ENV = kw.pop("pass_empty_wg", "")
             sm90._KEY_SPLIT_ENV = kw.pop("key_split", "")
+            sm90._END_ALIGNED_ENV = kw.pop("end_aligned", "")
             sm90._O_SLOT_ENV = kw.pop("o_slot", "")
             sm90._WINDOW_ORDER_ENV = kw.pop("window_order", "")
             sm90._NARROW_LAST_ENV = kw.pop("narrow_last", "")
@@ -673,21 +689,32 @@ def _run_worker(out_path: str, group: str) -> None:
                 rec["o_slot"] = impl.name == "fast-sm90" and impl.shared_o_slot(call.spec)
                 rec["narrow_last"] = impl.name == "fast-sm90" and impl.narrow_last(call.spec)
                 rec["key_split"] = impl.name == "fast-sm90" and impl.key_split(call.spec)
+                rec["row_shift"] = impl.row_shift(call.spec) if impl.name == "fast-sm90" else 0
                 rec["tile_m"] = impl.config(call.spec)[0] if impl.name == "fast-sm90" else 0
                 rec["split_groups"] = (impl.scalar_fields(call.spec, sm90._num_sms(q.device), q.device)[-3]
                                        if rec["split_tail"] else 0)
-                outs = []
+                outs, guard_ok = [], True
+                # NaN-poisoned outputs inside NaN guards of a 192-row tile's size before and after
+                # (contiguous views of one buffer): a store outside the output would write them
+                n_o, g_o = B * Sq * Hq * Dv, 192 * Hq * Dv
+                n_l, g_l = B * Hq * Sq, 192 * 4
                 # stream-K: which of a cut tile's two pieces merges is a race, decided anew each
                 # run: more runs, all bitwise equal
                 for _ in range(8 if rec["sk_tiles"] else 2):
-                    call.extra["out"] = torch.full((B, Sq, Hq, Dv), float("nan"), device="cuda", dtype=dt)
-                    call.extra["lse"] = torch.full((B, Hq, Sq), float("nan"), device="cuda")
+                    buf_o = torch.full((g_o + n_o + g_o,), float("nan"), device="cuda", dtype=dt)
+                    buf_l = torch.full((g_l + n_l + g_l,), float("nan"), device="cuda")
+                    call.extra["out"] = buf_o[g_o:g_o + n_o].view(B, Sq, Hq, Dv)
+                    call.extra["lse"] = buf_l[g_l:g_l + n_l].view(B, Hq, Sq)
                     o, lse = impl.forward(call)
                     torch.cuda.synchronize()
+                    guard_ok = guard_ok and all(bool(t.isnan().all()) for t in (
+                        buf_o[:g_o], buf_o[g_o + n_o:], buf_l[:g_l], buf_l[g_l + n_l:]))
                     outs.append((o.clone(), lse.clone()))
                 checks = check_outputs(call, outs[0][0], outs[0][1])
                 rec["checks"] = [str(c) for c in checks]
-                rec["ok"] = all(c.ok for c in checks)
+                rec["ok"] = all(c.ok for c in checks) and guard_ok
+                if not guard_ok:
+                    rec["checks"].append("guard rows around the outputs were written")
                 rec["bitwise"] = all(torch.equal(outs[0][0], o) and torch.equal(outs[0][1].nan_to_num(), lse.nan_to_num())
                                      for o, lse in outs[1:])
             except Exception as e:  # reported per case; the next case still runs
@@ -697,6 +724,7 @@ def _run_worker(out_path: str, group: str) -> None:
         sm90._PERSISTENT_ENV = sm90._NUM_SMS_ENV = sm90._STREAM_K_ENV = sm90._STREAM_K_MIN_KEYS_ENV = ""
         sm90._WG_KEY_BOUND_ENV = sm90._SPLIT_TAIL_ENV = sm90._PASS_EMPTY_WG_ENV = sm90._O_SLOT_ENV = ""
         sm90._KEY_SPLIT_ENV = sm90._SPLIT_UNITS_ENV = sm90._SPLIT_PIECE_KEYS_ENV = ""
+        sm90._END_ALIGNED_ENV = ""
         sm90._MODEL_SMS_ENV = ""
         sm90.FORWARD._entries.clear()
         for case in VARLEN_CASES:
@@ -789,6 +817,10 @@ def test_forward_matches_oracle(results, case):
         assert r["sk_tiles"] > 0, "no tile was cut: the pieces' hand-over did not run"
     if name.startswith("keysplit"):  # the split of light last tiles reached the kernel (or, off, did not)
         assert r["key_split"] is not name.startswith("keysplit-off")
+    if name.startswith("endaligned"):  # the first tile starts before row 0 (or, off, at it)
+        assert (r["row_shift"] > 0) is not name.startswith("endaligned-off")
+    if name.startswith("endaligned-") and "-num_sms9" in name:
+        assert r["sk_tiles"] > 0, "no pair was cut: the stream-K pieces did not run shifted"
     if name.startswith(("causal3wg-", "causal2wg-")):  # the warpgroup rule's choice reached the kernel
         assert r["tile_m"] == (192 if name.startswith("causal3wg-") else 128)
     if name.startswith("wg3-"):

@@ -236,7 +236,7 @@ class FlashFwdSm90:
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
                  stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False,
                  window_order: bool = False, narrow_last: bool = False, key_split: bool = False,
-                 merge_live_rows: bool = False, merge_batch: int = 1):
+                 merge_live_rows: bool = False, merge_batch: int = 1, end_aligned: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -425,6 +425,17 @@ class FlashFwdSm90:
         assert not key_split or (pass_empty_wg and wg_epilogue and not (causal or window_left or window_right)
                                  and not varlen and pack_gqa == 1 and not q_regs and overlap)
         self.key_split = key_split
+        # query tiles aligned to the sequence's end, not its start: with a right bound the tile
+        # that holds the rows left over (Sq % tile_m) is then the first, which sees the fewest
+        # keys, not the last, which sees them all while its empty warpgroups wait. The tiles
+        # cover rows [-shift, Sq) of a sequence, shift = (-Sq) % tile_m: the kernel reasons in
+        # those shifted rows (seqlen_q rounded up to the tile, q_rows; the causal offset
+        # Sk - Sq is kept), and only Q's load, O's store and the LSE map them back (q_tile_gmem,
+        # real_rows; TMA fills rows before the start with zeros and stores none of them).
+        # Batched only (packed varlen rows before a sequence's start are another sequence's)
+        assert not end_aligned or (self.mask_right and not (window_left or varlen or self.dynamic_mask
+                                                            or pack_gqa > 1 or key_split or trace_phases))
+        self.end_aligned = end_aligned
         # stream-K merges: a warp whose 16 rows of the tile all lie past the sequence's end (a
         # last query tile; packed GQA decode: 4 live rows of 128) neither writes its state to
         # the workspace nor reads the others' (those rows are never stored), so a merge moves the
@@ -899,7 +910,7 @@ class FlashFwdSm90:
             active = active & valid
             # the lighter tile's key blocks follow the heavier one's in the unit
             m_heavy = pair_of_unit(unit, 0, num_m_blocks, hb)[0]
-            lo_h, hi_h = self.key_block_bounds(m_heavy, cute.size(mQ.shape[0]), mK.shape[0],
+            lo_h, hi_h = self.key_block_bounds(m_heavy, self.q_rows(mQ), mK.shape[0],
                                                win_left, win_right)
             first = second * cutlass.max(hi_h - lo_h, 0)
         (m_block, head, head_kv, batch, n_block_min, n_block_max, seqlen_q, seqlen_k, offset_q,
@@ -982,7 +993,7 @@ class FlashFwdSm90:
         rounds) of the paired order with its tail split (split_tail).
         """
         BM, BN = self.tile_m, self.tile_n
-        seqlen_q = cute.size(mQ.shape[0])  # g * Sq rows with pack_gqa
+        seqlen_q = self.q_rows(mQ)  # g * Sq rows with pack_gqa
         seqlen_k = mK.shape[0]
         num_batch = cute.size(mQ.shape[3])
         if const_expr(self.varlen):
@@ -1220,7 +1231,7 @@ class FlashFwdSm90:
         (m_block, head_idx, head_kv, batch_idx, n_block_min, n_block_max, seqlen_q, offset_q, offset_k,
          seqlen_k) = coords
         BN, D, Dv = self.tile_n, self.head_dim, self.head_dim_v
-        gQ = self.q_tile_gmem(mQ, m_block, head_idx, batch_idx, offset_q)
+        gQ = self.q_tile_gmem(mQ, m_block, head_idx, batch_idx, offset_q, seqlen_q)
         if const_expr(self.varlen):
             # packed tensors: the sequence starts at row offset_*; loads that run past its
             # end read the next sequence's rows (keys masked, rows never stored) or zeros
@@ -1364,14 +1375,40 @@ class FlashFwdSm90:
                                (Int32(-1),) + (Int32(0),) * (self.info_fields - 1))
 
     @cute.jit
-    def q_tile_gmem(self, mQ, m_block, head_idx, batch_idx, offset_q):
+    def q_tile_gmem(self, mQ, m_block, head_idx, batch_idx, offset_q, seqlen_q):
         """The (tile_m, D) tile of Q that query block ``m_block`` loads (varlen: of the packed
-        tensor, from the sequence's first row)."""
+        tensor, from the sequence's first row; end_aligned: ``seqlen_q`` in the tiles' rows)."""
         if const_expr(self.varlen):
             return cute.local_tile(cute.domain_offset((offset_q, 0), mQ[None, None, head_idx, 0]),
                                    (self.tile_m, self.head_dim), (m_block, 0))
-        return cute.local_tile(mQ[None, None, head_idx, batch_idx], (self.tile_m, self.head_dim),
-                               (m_block, 0))
+        return cute.local_tile(self.real_rows(mQ[None, None, head_idx, batch_idx], seqlen_q),
+                               (self.tile_m, self.head_dim), (m_block, 0))
+
+    @cute.jit
+    def q_rows(self, mQ):
+        """The rows a (head, batch) slice's query tiles cover: Q's rows, or with end_aligned
+        those rounded up to the tile (the first tile starting shift rows before row 0)."""
+        rows = cute.size(mQ.shape[0])
+        if const_expr(self.end_aligned):
+            rows = cute.ceil_div(rows, self.tile_m) * self.tile_m
+        return rows
+
+    @cute.jit
+    def row_shift(self, seqlen_q, m):
+        """end_aligned: how many of the tiles' rows lie before row 0 (``seqlen_q`` from q_rows,
+        ``m`` a tensor of the call's real rows in mode 0); 0 otherwise."""
+        shift = Int32(0)
+        if const_expr(self.end_aligned):
+            shift = seqlen_q - cute.size(m.shape[0])
+        return shift
+
+    @cute.jit
+    def real_rows(self, m, seqlen_q):
+        """A (rows, D) slice of Q or O (or a TMA coordinate view of one) indexed by the tiles'
+        rows: with end_aligned, row r of the tiles is row r - shift of the tensor."""
+        if const_expr(self.end_aligned):
+            m = cute.domain_offset((-self.row_shift(seqlen_q, m), 0), m)
+        return m
 
     @cute.jit
     def put_tile_info(self, pipe_info, s_info, info_state, fields):
@@ -1954,6 +1991,10 @@ class FlashFwdSm90:
                 if row < seqlen_q:
                     if const_expr(self.varlen):
                         mLSE[offset_q + row, head_idx, 0] = lse[r]
+                    elif const_expr(self.end_aligned):
+                        row = row - self.row_shift(seqlen_q, mLSE)
+                        if row >= 0:
+                            mLSE[row, head_idx, batch_idx] = lse[r]
                     else:
                         mLSE[row, head_idx, batch_idx] = lse[r]
 
@@ -1998,11 +2039,11 @@ class FlashFwdSm90:
         elif const_expr(self.varlen):
             rows_left = seqlen_q - m_block * BM
             if rows_left >= BM:
-                self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
+                self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q, tidx)
             else:
                 self.store_O_rows(sO, vl[4], offset_q, head_idx, m_block, rows_left, tidx)
-        else:  # batched: the TMA store clips a tail tile at the tensor's end
-            self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
+        else:  # batched: the TMA store clips a tail tile at the tensor's end (and before its start)
+            self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q, tidx)
 
     @cute.jit
     def visit_plan(self, m_block, head, batch, n_block_min, n_block_max, seqlen_q, offset_q, kr,
@@ -2137,7 +2178,7 @@ class FlashFwdSm90:
             cute.make_layout((1, 128 // self.dtype.width)))
 
     @cute.jit
-    def store_O_tma(self, tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx):
+    def store_O_tma(self, tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q, tidx):
         """Epilogue: warp 0 issues the TMA store of O's tile from shared memory (one bulk group;
         without a separate O buffer it also waits for the store's reads, as Q's buffer is next)."""
         BM, Dv = self.tile_m, self.head_dim_v
@@ -2146,7 +2187,8 @@ class FlashFwdSm90:
                 gO = cute.local_tile(cute.domain_offset((offset_q, 0), mO[None, None, head_idx, 0]),
                                      (BM, Dv), (m_block, 0))
             else:
-                gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
+                gO = cute.local_tile(self.real_rows(mO[None, None, head_idx, batch_idx], seqlen_q),
+                                     (BM, Dv), (m_block, 0))
             self.tma_store_slice(tma_atom_O, sO, gO)
             if const_expr(not self.separate_o):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
@@ -2177,7 +2219,8 @@ class FlashFwdSm90:
                 self.copy_rows(tiled, thr, sO_wg, gO, rows_left, 64)
         elif rows_left > 0:
             if tidx % 128 < 32:
-                gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (64, Dv), (slot, 0))
+                gO = cute.local_tile(self.real_rows(mO[None, None, head_idx, batch_idx], seqlen_q),
+                                     (64, Dv), (slot, 0))
                 self.tma_store_slice(tma_atom_O, sO_wg, gO)
 
     @cute.jit
@@ -2190,7 +2233,8 @@ class FlashFwdSm90:
         band = (m_block * self.num_mma_wg + wg) * 4 + (tidx % 128) // 32  # 16-row band of the slice
         if seqlen_q - band * 16 > 0:
             s_band = cute.local_tile(sO[None, None, wg], (16, Dv), (band % 4, 0))
-            gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (16, Dv), (band, 0))
+            gO = cute.local_tile(self.real_rows(mO[None, None, head_idx, batch_idx], seqlen_q),
+                                 (16, Dv), (band, 0))
             self.tma_store_slice(tma_atom_O, s_band, gO)
 
     @cute.jit
