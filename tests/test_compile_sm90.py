@@ -118,7 +118,7 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, False, True, True, False, 2, False, True, False, False, False, True, False,
                    True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False, False, False, 1,
-                   True)
+                   False)
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -163,15 +163,16 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     # right-bounded batched calls on tiles taller than their key blocks, whatever the lengths
     # (the shift is a run-time value: an aligned length runs the same kernel with shift 0)
     assert FORWARD.compile_key(_spec(256, True, sq=1000), 90)[-1] is FORWARD.compile_key(_spec(256, True, sq=1024), 90)[-1] is True
-    assert FORWARD.row_shift(_spec(256, True, sq=1000)) == 24 and FORWARD.row_shift(_spec(256, True, sq=1024)) == 0
+    assert FORWARD.row_shift(_spec(256, True, sq=900)) == 64 and FORWARD.row_shift(_spec(256, True, sq=1000)) == 0
     assert FORWARD.compile_key(_spec(256, False, sq=1000), 90)[-1] is False                 # no right bound
-    assert FORWARD.compile_key(_spec(256, False, sq=1000, window=(-1, 3)), 90)[-1] is True   # a right bound alone
     assert FORWARD.compile_key(_spec(256, True, sq=1000, window=(64, 0)), 90)[-1] is False   # a left bound too
     assert FORWARD.compile_key(_spec(128, True, sq=1000), 90)[-1] is False                  # tile_m == tile_n
+    assert FORWARD.compile_key(_spec(192, True, sq=1000), 90)[-1] is False  # O by whole tiles (a TMA store can't start before row 0)
     varlen = AttentionSpec("varlen", 2, 1000, 1000, 8, 2, 256, 256, torch.bfloat16, "cuda", causal=True)
     assert FORWARD.compile_key(varlen, 90)[-1] is False
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "1")
     assert FORWARD.compile_key(_spec(128, True, sq=1000), 90)[-1] is True
+    assert FORWARD.compile_key(_spec(128, False, sq=1000, window=(-1, 3)), 90)[-1] is True  # a right bound alone
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "0")
     assert FORWARD.compile_key(_spec(256, True, sq=1000), 90)[-1] is False and FORWARD.row_shift(_spec(256, True, sq=1000)) == 0
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "")
@@ -1000,20 +1001,27 @@ def test_paired_key_blocks_transcribes_the_kernels_bounds(d, causal, window, sq_
                              window=window, return_lse=True)
     base = spec_of(sq_range[0], sq_range[1])
     assert FastSm90Forward.paired(base) and base.window[0] < 0  # (a call stream-K may cut)
-    kern = FastSm90Forward().make_kernel(base)
+    probes = {}  # the kernel with and without end_aligned (hd256's O slot, and so it, comes with the grid)
 
-    @cute.jit
-    def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32,
-              num_m: Int32):
-        out = cute.make_tensor(out_ptr, cute.make_layout((num_m, 2), stride=(2, 1)))
-        # the rows the tiles cover (end_aligned: rounded up to the tile), from a Q-shaped view
-        tiled_rows = kern.q_rows(cute.make_tensor(out_ptr, cute.make_layout((rows, 1))))
-        for m in cutlass.range(num_m, unroll=1):
-            lo, hi = kern.key_block_bounds(m, tiled_rows, seqlen_k, win_left, win_right)
-            out[m, 0] = lo
-            out[m, 1] = hi
+    def probe_of(spec):
+        ea = FastSm90Forward.end_aligned(spec)
+        if ea not in probes:
+            kern = FastSm90Forward().make_kernel(spec)
 
-    fn = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0, 0)
+            @cute.jit
+            def probe(out_ptr: cute.Pointer, rows: Int32, seqlen_k: Int32, win_left: Int32, win_right: Int32,
+                      num_m: Int32):
+                out = cute.make_tensor(out_ptr, cute.make_layout((num_m, 2), stride=(2, 1)))
+                # the rows the tiles cover (end_aligned: the shift more), from a Q-shaped view
+                tiled_rows = kern.q_rows(cute.make_tensor(out_ptr, cute.make_layout((rows, 1))))
+                for m in cutlass.range(num_m, unroll=1):
+                    lo, hi = kern.key_block_bounds(m, tiled_rows, seqlen_k, win_left, win_right)
+                    out[m, 0] = lo
+                    out[m, 1] = hi
+
+            probes[ea] = cute.compile(probe, make_ptr(cutlass.Int32, 0, AddressSpace.gmem, 4), 0, 0, 0, 0, 0)
+        return probes[ea]
+
     rng = random.Random(5)
     for _ in range(40):
         sq = rng.randint(*sq_range)
@@ -1024,10 +1032,11 @@ def test_paired_key_blocks_transcribes_the_kernels_bounds(d, causal, window, sq_
         assert FastSm90Forward.config(spec)[:2] == FastSm90Forward.config(base)[:2]
         assert FastSm90Forward.pack_gqa(spec) == FastSm90Forward.pack_gqa(base)
         g = FastSm90Forward.pack_gqa(spec)
-        num_m = -(-(g * sq) // kern.tile_m)
+        tile_m = FastSm90Forward.config(spec)[0]
+        num_m = -(-(g * sq) // tile_m)
         out = torch.full((num_m, 2), -7, dtype=torch.int32)
         _, wl, wr, _, _ = FastSm90Forward.runtime_scalars(spec)
-        fn(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq, sk, wl, wr, num_m)
+        probe_of(spec)(make_ptr(cutlass.Int32, out.data_ptr(), AddressSpace.gmem, 4), g * sq, sk, wl, wr, num_m)
         key_blocks = FastSm90Forward.paired_key_blocks(spec)
         got = [max(int(hi) - int(lo), 0) for lo, hi in out.tolist()]
         assert got == [key_blocks(m) for m in range(num_m)], (sq, sk)

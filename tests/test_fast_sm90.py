@@ -314,17 +314,17 @@ _case("splittail-off", 2, 1000, 1000, 4, 4, 128, "bfloat16", True, num_sms=5, st
 # query tiles aligned to the sequence's end (FastSm90Forward.end_aligned): the first tile starts
 # before row 0 (Q's rows there zero-filled, none of its O or LSE rows stored: the guard rows
 # around the outputs stay NaN). hd64's 192-row tiles in pairs (a split tail; stream-K pieces on 9
-# SMs), alone (the plain order from 16k), bottom-right offsets both ways, hd192 / hd256, fp16
-# and softcap, a right window bound without causal, GQA, and forced on where tile_m == tile_n
+# SMs), alone (the plain order from 16k), bottom-right offsets both ways, hd256, fp16
+# and softcap, GQA, and forced on where tile_m == tile_n (causal, and a right window bound alone)
 _case("endaligned", 2, 2048, 2048, 4, 4, 64, "bfloat16", True, model_sms=1)
 _case("endaligned", 1, 4096, 4096, 3, 3, 64, "bfloat16", True, num_sms=9)
-_case("endaligned", 1, 4000, 4000, 2, 2, 64, "bfloat16", True, "0", model_sms=1)
+_case("endaligned", 1, 3900, 3900, 2, 2, 64, "bfloat16", True, "0", model_sms=1)
 _case("endaligned", 2, 2000, 2300, 4, 2, 64, "float16", True, model_sms=1)
-_case("endaligned", 2, 2300, 2000, 4, 4, 64, "bfloat16", True, model_sms=1)
+_case("endaligned", 2, 2200, 2000, 4, 4, 64, "bfloat16", True, model_sms=1)
 _case("endaligned", 2, 700, 700, 3, 1, 256, "bfloat16", True)
-_case("endaligned", 2, 333, 500, 4, 4, 192, "float16", True, softcap=20.0)
-_case("endaligned", 2, 1000, 1000, 4, 2, 256, "bfloat16", False, window=(-1, 37))
-_case("endaligned", 2, 1000, 777, 4, 4, 128, "bfloat16", True, end_aligned="1")
+_case("endaligned", 2, 300, 500, 4, 4, 256, "float16", True, softcap=20.0)
+_case("endaligned", 2, 900, 1000, 4, 2, 128, "bfloat16", False, window=(-1, 37), end_aligned="1")
+_case("endaligned", 2, 900, 777, 4, 4, 128, "bfloat16", True, end_aligned="1")
 _case("endaligned-off", 2, 2048, 2048, 4, 4, 64, "bfloat16", True, model_sms=1, end_aligned="0")
 
 

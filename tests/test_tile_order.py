@@ -150,7 +150,7 @@ def _causal_visits(seqlen_q, seqlen_k, tile_m, tile_n, end_aligned):
     its last row's diagonal (FlashFwdSm90.key_block_bounds), the tiles aligned to the
     sequence's start or (end_aligned) its end, the first tile then starting before row 0."""
     n = -(-seqlen_q // tile_m)
-    shift = n * tile_m - seqlen_q if end_aligned else 0
+    shift = (n * tile_m - seqlen_q) // 64 * 64 if end_aligned else 0  # (whole 64-row slices)
     total = 0
     for m in range(n):
         last = min((m + 1) * tile_m - shift, seqlen_q) - 1

@@ -1039,12 +1039,14 @@ class FastSm90Forward:
         can = (spec.mode == "batched" and (spec.causal or spec.window[1] >= 0) and spec.window[0] < 0
                and not (spec.has_key_ranges or spec.has_block_sparse) and cls.pack_gqa(spec) == 1
                and not cls.trace_phases(spec) and not _causal_split_grid(spec))
-        return can and (_END_ALIGNED_ENV == "1" or tile_m > tile_n)
+        return can and cls.wg_epilogue(spec) and (_END_ALIGNED_ENV == "1" or tile_m > tile_n)
 
     @classmethod
     def row_shift(cls, spec) -> int:
-        """Rows of the first query tile before row 0 with end_aligned (0 otherwise)."""
-        return -spec.seqlen_q % cls.config(spec)[0] if cls.end_aligned(spec) else 0
+        """Rows of the first query tile before row 0 with end_aligned (0 otherwise): the rows the
+        last tile would leave over, (-Sq) % tile_m, in whole 64-row slices (each warpgroup's
+        O slice lies wholly before row 0 or after it: a TMA store cannot start before it)."""
+        return -spec.seqlen_q % cls.config(spec)[0] // 64 * 64 if cls.end_aligned(spec) else 0
 
     @staticmethod
     def tile_info(spec) -> bool:

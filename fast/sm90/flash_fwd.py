@@ -433,8 +433,12 @@ class FlashFwdSm90:
         # Sk - Sq is kept), and only Q's load, O's store and the LSE map them back (q_tile_gmem,
         # real_rows; TMA fills rows before the start with zeros and stores none of them).
         # Batched only (packed varlen rows before a sequence's start are another sequence's)
-        assert not end_aligned or (self.mask_right and not (window_left or varlen or self.dynamic_mask
-                                                            or pack_gqa > 1 or key_split or trace_phases))
+        # The shift is whole 64-row slices and O leaves by slices or 16-row bands (wg_epilogue,
+        # warp_store_o): a TMA store with a negative coordinate is an illegal instruction, so
+        # the slices before row 0 are skipped, not clipped
+        assert not end_aligned or (self.mask_right and (wg_epilogue or warp_store_o)
+                                   and not (window_left or varlen or self.dynamic_mask
+                                            or pack_gqa > 1 or key_split or trace_phases))
         self.end_aligned = end_aligned
         # stream-K merges: a warp whose 16 rows of the tile all lie past the sequence's end (a
         # last query tile; packed GQA decode: 4 live rows of 128) neither writes its state to
@@ -1387,10 +1391,11 @@ class FlashFwdSm90:
     @cute.jit
     def q_rows(self, mQ):
         """The rows a (head, batch) slice's query tiles cover: Q's rows, or with end_aligned
-        those rounded up to the tile (the first tile starting shift rows before row 0)."""
+        shift more, the first tile starting that many rows before row 0: the rows the last tile
+        leaves over, (-Sq) % tile_m, in whole 64-row slices (FastSm90Forward.row_shift)."""
         rows = cute.size(mQ.shape[0])
         if const_expr(self.end_aligned):
-            rows = cute.ceil_div(rows, self.tile_m) * self.tile_m
+            rows = rows + (cute.ceil_div(rows, self.tile_m) * self.tile_m - rows) // 64 * 64
         return rows
 
     @cute.jit
@@ -2218,7 +2223,8 @@ class FlashFwdSm90:
                                      (64, Dv), (slot, 0))
                 self.copy_rows(tiled, thr, sO_wg, gO, rows_left, 64)
         elif rows_left > 0:
-            if tidx % 128 < 32:
+            # (end_aligned: a slice wholly before row 0 stores nothing)
+            if (tidx % 128 < 32) & (slot * 64 >= self.row_shift(seqlen_q, mO)):
                 gO = cute.local_tile(self.real_rows(mO[None, None, head_idx, batch_idx], seqlen_q),
                                      (64, Dv), (slot, 0))
                 self.tma_store_slice(tma_atom_O, sO_wg, gO)
@@ -2228,10 +2234,10 @@ class FlashFwdSm90:
         """warp_store_o: each consumer warp stores the 16 rows of O its accumulator holds (rows
         16 w.. of its warpgroup's 64) from its band of the warpgroup's slot, one TMA store (one
         bulk group) issued by the warp; batched calls' TMA clips rows past the tensor's end. A
-        band wholly past the end stores nothing."""
+        band wholly past the end, or (end_aligned) before row 0, stores nothing."""
         Dv = self.head_dim_v
         band = (m_block * self.num_mma_wg + wg) * 4 + (tidx % 128) // 32  # 16-row band of the slice
-        if seqlen_q - band * 16 > 0:
+        if (seqlen_q - band * 16 > 0) & (band * 16 >= self.row_shift(seqlen_q, mO)):
             s_band = cute.local_tile(sO[None, None, wg], (16, Dv), (band % 4, 0))
             gO = cute.local_tile(self.real_rows(mO[None, None, head_idx, batch_idx], seqlen_q),
                                  (16, Dv), (band, 0))
