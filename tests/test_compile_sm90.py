@@ -160,21 +160,23 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     monkeypatch.setattr(sm90, "_MERGE_BATCH_ENV", "")
     monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "1")
     # query tiles aligned to the sequence's end (FastSm90Forward.end_aligned, the last field):
-    # right-bounded batched calls on tiles taller than their key blocks, whatever the lengths
-    # (the shift is a run-time value: an aligned length runs the same kernel with shift 0)
-    assert FORWARD.compile_key(_spec(256, True, sq=1000), 90)[-1] is FORWARD.compile_key(_spec(256, True, sq=1024), 90)[-1] is True
-    assert FORWARD.row_shift(_spec(256, True, sq=900)) == 64 and FORWARD.row_shift(_spec(256, True, sq=1000)) == 0
-    assert FORWARD.compile_key(_spec(256, False, sq=1000), 90)[-1] is False                 # no right bound
-    assert FORWARD.compile_key(_spec(256, True, sq=1000, window=(64, 0)), 90)[-1] is False   # a left bound too
-    assert FORWARD.compile_key(_spec(128, True, sq=1000), 90)[-1] is False                  # tile_m == tile_n
-    assert FORWARD.compile_key(_spec(192, True, sq=1000), 90)[-1] is False  # O by whole tiles (a TMA store can't start before row 0)
-    varlen = AttentionSpec("varlen", 2, 1000, 1000, 8, 2, 256, 256, torch.bfloat16, "cuda", causal=True)
+    # right-bounded batched calls on tiles taller than their key blocks whose length leaves a
+    # whole 64-row slice over (the shift a run-time value: 900 and 1000 + 64 k share a kernel)
+    assert FORWARD.compile_key(_spec(256, True, sq=900), 90)[-1] is FORWARD.compile_key(_spec(256, True, sq=1600), 90)[-1] is True
+    assert FORWARD.row_shift(_spec(256, True, sq=900)) == 64 and FORWARD.row_shift(_spec(256, True, sq=1600)) == 64
+    assert FORWARD.compile_key(_spec(256, True, sq=1000), 90)[-1] is False and FORWARD.row_shift(_spec(256, True, sq=1000)) == 0
+    assert FORWARD.compile_key(_spec(256, True, sq=1024), 90)[-1] is False  # no rows left over
+    assert FORWARD.compile_key(_spec(256, False, sq=900), 90)[-1] is False                  # no right bound
+    assert FORWARD.compile_key(_spec(256, True, sq=900, window=(64, 0)), 90)[-1] is False   # a left bound too
+    assert FORWARD.compile_key(_spec(128, True, sq=900), 90)[-1] is False                   # tile_m == tile_n
+    assert FORWARD.compile_key(_spec(192, True, sq=900), 90)[-1] is False  # O by whole tiles (a TMA store can't start before row 0)
+    varlen = AttentionSpec("varlen", 2, 900, 900, 8, 2, 256, 256, torch.bfloat16, "cuda", causal=True)
     assert FORWARD.compile_key(varlen, 90)[-1] is False
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "1")
-    assert FORWARD.compile_key(_spec(128, True, sq=1000), 90)[-1] is True
-    assert FORWARD.compile_key(_spec(128, False, sq=1000, window=(-1, 3)), 90)[-1] is True  # a right bound alone
+    assert FORWARD.compile_key(_spec(128, True, sq=900), 90)[-1] is True
+    assert FORWARD.compile_key(_spec(128, False, sq=900, window=(-1, 3)), 90)[-1] is True  # a right bound alone
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "0")
-    assert FORWARD.compile_key(_spec(256, True, sq=1000), 90)[-1] is False and FORWARD.row_shift(_spec(256, True, sq=1000)) == 0
+    assert FORWARD.compile_key(_spec(256, True, sq=900), 90)[-1] is False and FORWARD.row_shift(_spec(256, True, sq=900)) == 0
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "")
     # a light last 192-row tile split over the three warpgroups (FastSm90Forward.key_split, the
     # field before): plain non-causal hd64, not causal, not a window, not 128-row tiles

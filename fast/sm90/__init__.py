@@ -1027,19 +1027,25 @@ class FastSm90Forward:
         so no tile visits more blocks (tests/test_tile_order.py models it): hd64's causal 192-row tiles
         at 2k / 4k queries visit 0.950 / 0.945 of the blocks, 8k / 16k 0.985, 1000 queries
         0.844; hd256's 80-key tiles at 700 queries 0.886. With tile_m == tile_n the count is
-        the same either way, so only configs with tile_m > tile_n (hd64 on 3 warpgroups,
-        hd192, hd256) take it: the shift costs a few instructions in the decoder and the
-        epilogue. Batched calls without key ranges, CSR or packed GQA rows, and not the causal
-        chunks cut into pieces (_causal_split_grid: the first tile's keys bound their piece
-        count). DUALATTN_SM90_END_ALIGNED=0 turns it off, =1 on wherever it can apply
-        (comparisons, tests)."""
+        the same either way (Sq = Sk), so only configs with tile_m > tile_n (hd64 on 3
+        warpgroups, hd256) take it, and only where the shift is at least one whole 64-row slice
+        (row_shift): its code is then compiled in, a few instructions in the decoder and the
+        epilogue. O must leave by 64-row slices or 16-row bands (wg_epilogue: not hd192 causal).
+        Batched calls without key ranges, CSR or packed GQA rows, and not the causal chunks cut
+        into pieces (_causal_split_grid: the first tile's keys bound their piece count). H100,
+        graph A/B, time with / without: hd64 causal 2k / 4k / 8k / 16k 0.948 / 0.967 / 0.984 /
+        0.998 (docs section 53). DUALATTN_SM90_END_ALIGNED=0 turns it off, =1 on wherever it
+        can apply (comparisons, tests)."""
         if _END_ALIGNED_ENV == "0":
             return False
         tile_m, tile_n = cls.config(spec)[:2]
         can = (spec.mode == "batched" and (spec.causal or spec.window[1] >= 0) and spec.window[0] < 0
                and not (spec.has_key_ranges or spec.has_block_sparse) and cls.pack_gqa(spec) == 1
                and not cls.trace_phases(spec) and not _causal_split_grid(spec))
-        return can and cls.wg_epilogue(spec) and (_END_ALIGNED_ENV == "1" or tile_m > tile_n)
+        # (a length that leaves no whole slice over keeps the kernel without the shift's code:
+        # hd256 causal at 1k / 2k and 1000 queries measured 1.004-1.007 with it, shift 0)
+        return (can and cls.wg_epilogue(spec) and -spec.seqlen_q % tile_m >= 64
+                and (_END_ALIGNED_ENV == "1" or tile_m > tile_n))
 
     @classmethod
     def row_shift(cls, spec) -> int:
