@@ -697,7 +697,7 @@ def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
 @pytest.mark.timeout(300)
 def test_hd64_warpgroup_rules(monkeypatch):
     """hd64's 2 or 3 consumer warpgroups by how the tiles fill 132 SMs (docs section 47):
-    batched causal takes 3 from 1536 queries where the 192-row pairs make two rounds (one from
+    batched causal takes 3 from 1088 queries where the 192-row pairs make two rounds (one from
     4k); batched non-causal keeps 2 where its 128-row tiles fit one round. The 2-warpgroup
     non-causal config compiles, its loop on wgmma."""
     import dualattn.fast.sm90 as sm90
@@ -707,7 +707,8 @@ def test_hd64_warpgroup_rules(monkeypatch):
         spec = AttentionSpec(mode, b, s, s, h, h, 64, 64, torch.bfloat16, "cuda", causal=causal)
         return FastSm90Forward.config(spec)[0]
     assert tile_m(8, 2048, 32) == 192 and tile_m(4, 2048, 16) == 192 and tile_m(12, 1536, 32) == 192
-    assert tile_m(16, 1024, 32) == 128 and tile_m(2, 2048, 16) == 128 and tile_m(32, 1535, 32) == 128
+    assert tile_m(16, 1024, 32) == 128 and tile_m(2, 2048, 16) == 128 and tile_m(32, 1087, 32) == 128
+    assert tile_m(12, 1280, 32) == 192 and tile_m(2, 1280, 32) == 128  # 448 / 112 pairs
     assert tile_m(1, 4096, 16) == 192 and tile_m(1, 4096, 8) == 128  # 176 / 88 pairs
     assert tile_m(8, 2048, 32, mode="varlen") == 128 and tile_m(1, 16384, 1) == 192
     assert tile_m(2, 4095, 8) == 128  # 176 pairs < 2 x 132
@@ -786,7 +787,7 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
     32 / 160 per producer / consumer thread, an epilogue per warp (warp syncs, no named
     barrier: FastSm90Forward.warp_store_o), the GEMM
-    issue ordered in a ring of three named barriers); batched causal takes 3 from 1536 queries
+    issue ordered in a ring of three named barriers); batched causal takes 3 from 1088 queries
     where the 192-row pairs fill two rounds of the grid (one from 4k queries), else keeps 2."""
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True

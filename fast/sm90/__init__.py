@@ -246,8 +246,12 @@ def _three_warpgroups(spec) -> bool:
 # light, and in the paired order the heaviest), 2 x 2k x 16 (176 pairs) 1.018, 2 x 2k x 8 (88)
 # 1.276, and at 4k 1 x 4k x 8 (88 pairs: a third of the SMs idle, nothing for stream-K to cut)
 # 1.264, where 1 x 4k x 16 (176) 0.978 and 1 x 8k x 8 (172) 0.912 gain (stream-K cuts pairs of
-# 4k keys). Queries below it (1k: the light last tile above) stay on 2 warpgroups.
-CAUSAL_3WG_MIN_SEQLEN_FILLED = 1536
+# 4k keys). Queries below it (1k: the light last tile above) stay on 2 warpgroups. With the
+# tiles aligned to the sequence's end (FastSm90Forward.end_aligned: the light tile is the first,
+# the cheapest), H100, time 3 / 2 warpgroups (docs section 53): 14 x 1100 x 32 0.975, 14 x 1152 x
+# 32 0.973, 12 x 1280 x 32 0.963-0.964, 10 x 1408 x 32 0.969, 4 x 1280 x 32 (448 pairs) 0.997;
+# 1k level (16 x 1k x 32 1.003, 32 x 1k x 32 0.981, 16 x 1k x 16 1.006): from 1088 queries.
+CAUSAL_3WG_MIN_SEQLEN_FILLED = 1088
 # rounds of 192-row pairs on the SMs that 3 warpgroups need: two below STREAM_K_MIN_KEYS queries
 # (no stream-K cut for pairs there), one from it
 CAUSAL_3WG_MIN_ROUNDS = 2
