@@ -251,6 +251,8 @@ def _three_warpgroups(spec) -> bool:
 # the cheapest), H100, time 3 / 2 warpgroups (docs section 53): 14 x 1100 x 32 0.975, 14 x 1152 x
 # 32 0.973, 12 x 1280 x 32 0.963-0.964, 10 x 1408 x 32 0.969, 4 x 1280 x 32 (448 pairs) 0.997;
 # 1k level (16 x 1k x 32 1.003, 32 x 1k x 32 0.981, 16 x 1k x 16 1.006): from 1088 queries.
+# (1100 and 1152 have no shift, nor a light tile: section 47 had measured none between 1k and
+# 1536, so the old threshold was set by 1k's light tile, which the shift now moves.)
 CAUSAL_3WG_MIN_SEQLEN_FILLED = 1088
 # rounds of 192-row pairs on the SMs that 3 warpgroups need: two below STREAM_K_MIN_KEYS queries
 # (no stream-K cut for pairs there), one from it
@@ -1030,9 +1032,9 @@ class FastSm90Forward:
         while its empty warpgroups wait. Every tile's last row moves up by the shift or stays,
         so no tile visits more blocks (tests/test_tile_order.py models it): hd64's causal 192-row tiles
         at 2k / 4k queries visit 0.950 / 0.945 of the blocks, 8k / 16k 0.985, 1000 queries
-        0.844; hd256's 80-key tiles at 700 queries 0.886. With tile_m == tile_n the count is
+        0.844; hd256's 64-key tiles at 700 queries 0.878. With tile_m == tile_n the count is
         the same either way (Sq = Sk), so only configs with tile_m > tile_n (hd64 on 3
-        warpgroups, hd256) take it, and only where the shift is at least one whole 64-row slice
+        warpgroups, hd256 on the persistent grid's 64-key tiles) take it, and only where the shift is at least one whole 64-row slice
         (row_shift): its code is then compiled in, a few instructions in the decoder and the
         epilogue. O must leave by 64-row slices or 16-row bands (wg_epilogue: not hd192 causal).
         Batched calls without key ranges, CSR or packed GQA rows, and not the causal chunks cut

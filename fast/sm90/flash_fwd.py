@@ -428,15 +428,16 @@ class FlashFwdSm90:
         # query tiles aligned to the sequence's end, not its start: with a right bound the tile
         # that holds the rows left over (Sq % tile_m) is then the first, which sees the fewest
         # keys, not the last, which sees them all while its empty warpgroups wait. The tiles
-        # cover rows [-shift, Sq) of a sequence, shift = (-Sq) % tile_m: the kernel reasons in
-        # those shifted rows (seqlen_q rounded up to the tile, q_rows; the causal offset
+        # cover rows [-shift, Sq) of a sequence, shift = (-Sq) % tile_m in whole 64-row slices:
+        # the kernel reasons in those shifted rows (Sq + shift, q_rows; the causal offset
         # Sk - Sq is kept), and only Q's load, O's store and the LSE map them back (q_tile_gmem,
-        # real_rows; TMA fills rows before the start with zeros and stores none of them).
-        # Batched only (packed varlen rows before a sequence's start are another sequence's)
-        # The shift is whole 64-row slices and O leaves by slices or 16-row bands (wg_epilogue,
-        # warp_store_o): a TMA store with a negative coordinate is an illegal instruction, so
-        # the slices before row 0 are skipped, not clipped
-        assert not end_aligned or (self.mask_right and (wg_epilogue or warp_store_o)
+        # real_rows; TMA fills Q's rows before the start with zeros). Batched only (packed
+        # varlen rows before a sequence's start are another sequence's). A TMA store with a
+        # negative coordinate is an illegal instruction, so O must leave by 64-row slices or
+        # 16-row bands (wg_epilogue; warp_store_o implies it), those before row 0 skipped, never
+        # by store_O_tma's whole tile. key_split's band loads and the phase trace's LSE stamps
+        # use unshifted rows: excluded
+        assert not end_aligned or (self.mask_right and wg_epilogue
                                    and not (window_left or varlen or self.dynamic_mask
                                             or pack_gqa > 1 or key_split or trace_phases))
         self.end_aligned = end_aligned
@@ -2047,7 +2048,7 @@ class FlashFwdSm90:
                 self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q, tidx)
             else:
                 self.store_O_rows(sO, vl[4], offset_q, head_idx, m_block, rows_left, tidx)
-        else:  # batched: the TMA store clips a tail tile at the tensor's end (and before its start)
+        else:  # batched: the TMA store clips a tail tile at the tensor's end
             self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q, tidx)
 
     @cute.jit
@@ -2191,9 +2192,8 @@ class FlashFwdSm90:
             if const_expr(self.varlen):
                 gO = cute.local_tile(cute.domain_offset((offset_q, 0), mO[None, None, head_idx, 0]),
                                      (BM, Dv), (m_block, 0))
-            else:
-                gO = cute.local_tile(self.real_rows(mO[None, None, head_idx, batch_idx], seqlen_q),
-                                     (BM, Dv), (m_block, 0))
+            else:  # (never end_aligned: a whole tile's store cannot start before row 0)
+                gO = cute.local_tile(mO[None, None, head_idx, batch_idx], (BM, Dv), (m_block, 0))
             self.tma_store_slice(tma_atom_O, sO, gO)
             if const_expr(not self.separate_o):
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
