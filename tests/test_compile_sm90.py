@@ -802,7 +802,7 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert FastSm90Forward.paired(mid_causal) and FastSm90Forward.q_stages(mid_causal) == 2
     kern = FORWARD.make_kernel(mid_causal)
     assert kern.num_mma_wg == 3 and kern.smem_bytes <= 227 * 1024
-    assert FastSm90Forward.config(_spec(64, True, sq=1535, sk=1535))[0] == 128
+    assert FastSm90Forward.config(_spec(64, True, sq=1087, sk=1087))[0] == 128
     long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
     assert long_causal[:3] == (192, 128, 3) and long_causal[3] is True and long_causal[5] is False
     assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128
