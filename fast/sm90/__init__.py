@@ -1030,13 +1030,13 @@ class FastSm90Forward:
         bound and no left one, the tile holding the Sq % tile_m left-over rows is then the
         first, which sees the fewest keys, instead of the last, which visits every key block
         while its empty warpgroups wait. Every tile's last row moves up by the shift or stays,
-        so no tile visits more blocks (tests/test_tile_order.py models it): hd64's causal 192-row tiles
-        at 2k / 4k queries visit 0.950 / 0.945 of the blocks, 8k / 16k 0.985, 1000 queries
-        0.844; hd256's 64-key tiles at 700 queries 0.878. With tile_m == tile_n the count is
-        the same either way (Sq = Sk), so only configs with tile_m > tile_n (hd64 on 3
-        warpgroups, hd256 on the persistent grid's 64-key tiles) take it, and only where the shift is at least one whole 64-row slice
-        (row_shift): its code is then compiled in, a few instructions in the decoder and the
-        epilogue. O must leave by 64-row slices or 16-row bands (wg_epilogue: not hd192 causal).
+        so no tile visits more blocks (tests/test_tile_order.py models it): hd64's causal
+        192-row tiles at 2k / 4k queries visit 0.950 / 0.945 of the blocks, 8k / 16k 0.985,
+        1280 queries 0.930; hd256's 64-key tiles at 700 queries 0.878. With tile_m == tile_n
+        the count is the same either way (Sq = Sk), so only configs with tile_m > tile_n (hd64
+        on 3 warpgroups, hd256 on the persistent grid's 64-key tiles) take it, and only where
+        the shift is at least one whole 64-row slice (row_shift): its code is then compiled in,
+        a few instructions in the decoder and the epilogue. O must leave by 64-row slices or 16-row bands (wg_epilogue: not hd192 causal).
         Batched calls without key ranges, CSR or packed GQA rows, and not the causal chunks cut
         into pieces (_causal_split_grid: the first tile's keys bound their piece count). H100,
         graph A/B, time with / without: hd64 causal 2k / 4k / 8k / 16k 0.948 / 0.967 / 0.984 /

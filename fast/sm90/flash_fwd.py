@@ -2045,11 +2045,11 @@ class FlashFwdSm90:
         elif const_expr(self.varlen):
             rows_left = seqlen_q - m_block * BM
             if rows_left >= BM:
-                self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q, tidx)
+                self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
             else:
                 self.store_O_rows(sO, vl[4], offset_q, head_idx, m_block, rows_left, tidx)
         else:  # batched: the TMA store clips a tail tile at the tensor's end
-            self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q, tidx)
+            self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
 
     @cute.jit
     def visit_plan(self, m_block, head, batch, n_block_min, n_block_max, seqlen_q, offset_q, kr,
@@ -2184,7 +2184,7 @@ class FlashFwdSm90:
             cute.make_layout((1, 128 // self.dtype.width)))
 
     @cute.jit
-    def store_O_tma(self, tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, seqlen_q, tidx):
+    def store_O_tma(self, tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx):
         """Epilogue: warp 0 issues the TMA store of O's tile from shared memory (one bulk group;
         without a separate O buffer it also waits for the store's reads, as Q's buffer is next)."""
         BM, Dv = self.tile_m, self.head_dim_v
