@@ -697,7 +697,7 @@ def test_call_without_lse_compiles_a_kernel_that_does_not_store_it():
 @pytest.mark.timeout(300)
 def test_hd64_warpgroup_rules(monkeypatch):
     """hd64's 2 or 3 consumer warpgroups by how the tiles fill 132 SMs (docs section 47):
-    batched causal takes 3 from 1088 queries where the 192-row pairs make two rounds (one from
+    batched causal takes 3 from 768 queries where the 192-row pairs make two rounds (one from
     4k); batched non-causal keeps 2 where its 128-row tiles fit one round. The 2-warpgroup
     non-causal config compiles, its loop on wgmma."""
     import dualattn.fast.sm90 as sm90
@@ -707,8 +707,9 @@ def test_hd64_warpgroup_rules(monkeypatch):
         spec = AttentionSpec(mode, b, s, s, h, h, 64, 64, torch.bfloat16, "cuda", causal=causal)
         return FastSm90Forward.config(spec)[0]
     assert tile_m(8, 2048, 32) == 192 and tile_m(4, 2048, 16) == 192 and tile_m(12, 1536, 32) == 192
-    assert tile_m(16, 1024, 32) == 128 and tile_m(2, 2048, 16) == 128 and tile_m(32, 1087, 32) == 128
+    assert tile_m(16, 1024, 32) == 192 and tile_m(2, 2048, 16) == 128 and tile_m(32, 767, 32) == 128
     assert tile_m(12, 1280, 32) == 192 and tile_m(2, 1280, 32) == 128  # 448 / 112 pairs
+    assert tile_m(16, 768, 32) == 192 and tile_m(32, 640, 32) == 128
     assert tile_m(1, 4096, 16) == 192 and tile_m(1, 4096, 8) == 128  # 176 / 88 pairs
     assert tile_m(8, 2048, 32, mode="varlen") == 128 and tile_m(1, 16384, 1) == 192
     assert tile_m(2, 4095, 8) == 128  # 176 pairs < 2 x 132
@@ -787,11 +788,11 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     """hd64 non-causal: tile_m 192 = 3 consumer warpgroups of 64 rows (512 threads, registers
     32 / 160 per producer / consumer thread, an epilogue per warp (warp syncs, no named
     barrier: FastSm90Forward.warp_store_o), the GEMM
-    issue ordered in a ring of three named barriers); batched causal takes 3 from 1088 queries
+    issue ordered in a ring of three named barriers); batched causal takes 3 from 768 queries
     where the 192-row pairs fill two rounds of the grid (one from 4k queries), else keeps 2."""
     spec = _spec(64, False)
     assert FastSm90Forward.config(spec)[0] == 192 and FastSm90Forward.config(spec)[3] is True
-    assert FastSm90Forward.config(_spec(64, True))[0] == 128
+    assert FastSm90Forward.config(_spec(64, True, sq=700, sk=700))[0] == 128
     # plain causal hd64 runs the persistent grid; hd128 causal one CTA per tile past 4096 keys
     assert FastSm90Forward.config(_spec(64, True))[5] is True
     assert FastSm90Forward.config(_spec(128, True, sq=32768, sk=32768))[5] is False
@@ -802,7 +803,7 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert FastSm90Forward.paired(mid_causal) and FastSm90Forward.q_stages(mid_causal) == 2
     kern = FORWARD.make_kernel(mid_causal)
     assert kern.num_mma_wg == 3 and kern.smem_bytes <= 227 * 1024
-    assert FastSm90Forward.config(_spec(64, True, sq=1087, sk=1087))[0] == 128
+    assert FastSm90Forward.config(_spec(64, True, sq=767, sk=767))[0] == 128
     long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
     assert long_causal[:3] == (192, 128, 3) and long_causal[3] is True and long_causal[5] is False
     assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128
@@ -1285,8 +1286,10 @@ def test_narrow_first_block_holds_no_key_of_the_warpgroup_in_its_upper_half(d, s
 def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     """Each warpgroup's own key bound is on by default for right-bounded configs without
     ping-pong (D > 128) except hd256's 80-wide key tiles (causal from 8k queries, where it
-    measured slower); never for key ranges / CSR / non-right-bounded ones. Ping-pong configs
-    (D <= 128) have it only with DUALATTN_SM90_WG_KEY_BOUND=1 (measured neutral); =0 turns it
+    measured slower), and for hd64's 192-row ping-pong tiles on 128-key blocks without a left
+    window bound, stream-K's cut pairs included (they hide a warpgroup block in two of every
+    causal tile); never for key ranges / CSR / non-right-bounded ones. 128-row ping-pong configs
+    have it only with DUALATTN_SM90_WG_KEY_BOUND=1 (nothing hides when Sq = Sk); =0 turns it
     off everywhere. It is its own compile key; on, the kernel assembles for sm_90a with one more
     key-block loop: the hidden blocks' pass (mbarrier waits, no wgmma; the same loop as
     pass_empty_wg's, which is off here)."""
@@ -1294,9 +1297,13 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     monkeypatch.setattr(sm90, "_PASS_EMPTY_WG_ENV", "0")
     on_specs = [_spec(256, True, sq=2048, sk=2048), _spec(192, True, sq=1000, sk=1300),
                 _spec(192, True, sq=8192, sk=8192),
-                _spec(256, False, sq=1000, sk=1000, window=(-1, 37))]
+                _spec(256, False, sq=1000, sk=1000, window=(-1, 37)),
+                _spec(64, True, sq=16384, sk=16384), _spec(64, True, sq=8192, sk=8192)]
+    assert [FastSm90Forward.config(s)[:4] for s in on_specs[-2:]] == [(192, 128, 3, True), (192, 128, 4, True)]
+    assert FastSm90Forward.stream_k(on_specs[-1])  # (the cut pairs run it too)
     wide = _spec(256, True, sq=8192, sk=8192)
-    pingpong = [_spec(128, True, sq=2048, sk=2048), _spec(64, True, sq=16384, sk=16384)]
+    pingpong = [_spec(128, True, sq=2048, sk=2048), _spec(64, True, sq=1000, sk=1000)]
+    assert all(FastSm90Forward.config(s)[:2] == (128, 128) for s in pingpong)
     off_specs = [_spec(256, False, sq=2048, sk=2048),
                  _spec(256, True, sq=2048, sk=2048, num_key_ranges=1)]
     assert FastSm90Forward.config(wide)[1] == 80

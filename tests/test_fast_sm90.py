@@ -233,6 +233,12 @@ _case("wgkb", 2, 700, 650, 4, 2, 128, "float16", False, "0", wg_key_bound="1", w
 _case("wgkb", 2, 37, 300, 16, 4, 128, "bfloat16", True, wg_key_bound="1")  # packed GQA rows
 _case("wgkb", 1, 8200, 8200, 2, 2, 256, "bfloat16", True, wg_key_bound="1")  # 80-key tiles
 _case("wgkb", 2, 1000, 1000, 4, 2, 256, "bfloat16", True, wg_key_bound="0")
+# the key bound in stream-K pieces (a warpgroup may pass every block of its piece and merge an
+# empty state): hd64's 192-row pairs cut on 9 SMs (its default), a bottom-right offset on 128-row
+# tiles (forced on), a causal chunk's tiles cut into pieces along their own blocks
+_case("wgkbsk", 1, 4224, 4224, 3, 3, 64, "bfloat16", True, num_sms=9)
+_case("wgkbsk", 1, 4096, 4160, 4, 2, 128, "bfloat16", True, wg_key_bound="1", num_sms=9)
+_case("wgkbsk", 1, 1000, 8192, 2, 1, 64, "bfloat16", True)
 # warpgroups with no row in the sequence pass their key blocks (FastSm90Forward.pass_empty_wg):
 # 192-row tiles with one or two empty warpgroups, with the query blocks rotated by round (grids
 # that are a multiple of the block count), with stream-K cuts, 128-row tiles whose second
@@ -271,7 +277,9 @@ _case("causal3wg", 2, 1600, 1600, 4, 4, 64, "bfloat16", True, num_sms=5)
 _case("causal3wg", 3, 2000, 2000, 4, 2, 64, "float16", True, num_sms=8)
 _case("causal3wg", 1, 1536, 1700, 8, 8, 64, "bfloat16", True, num_sms=4)
 _case("causal3wg", 4, 2048, 2048, 16, 16, 64, "bfloat16", True)
-_case("causal3wg", 2, 1280, 1280, 4, 4, 64, "bfloat16", True, model_sms=1)  # from 1088 queries, end-aligned
+_case("causal3wg", 2, 1280, 1280, 4, 4, 64, "bfloat16", True, model_sms=1)  # end-aligned
+_case("causal3wg", 2, 1000, 1000, 4, 4, 64, "bfloat16", True, model_sms=1)  # from 768 queries
+_case("causal2wg", 2, 700, 700, 4, 4, 64, "bfloat16", True, model_sms=1)
 _case("causal2wg", 2, 2048, 2048, 8, 8, 64, "bfloat16", True)
 _case("causal2wg", 1, 4096, 4096, 8, 8, 64, "bfloat16", True)
 # one O slot that the two warpgroups stage their rows in by turns (FastSm90Forward.shared_o_slot:
@@ -812,6 +820,8 @@ def test_forward_matches_oracle(results, case):
             assert f"-pieces{r['sk_pieces']}" in name, f"cut into {r['sk_pieces']} pieces"
     if name.startswith("wgkb-"):  # the forced key bound reached the kernel
         assert r["wg_key_bound"] is name.endswith("wg_key_bound1")
+    if name.startswith("wgkbsk-"):  # the key bound ran in cut tiles
+        assert r["wg_key_bound"] and r["sk_tiles"] > 0, (r["wg_key_bound"], r["sk_tiles"])
     if name.startswith("oslot"):  # the shared O slot reached the kernel (or, off, did not)
         assert r["o_slot"] is not name.startswith("oslot-off")
     if name.startswith("oslot-") and not name.startswith("oslot-off") and "stream_k1" in name:

@@ -252,8 +252,13 @@ def _three_warpgroups(spec) -> bool:
 # 32 0.973, 12 x 1280 x 32 0.963-0.964, 10 x 1408 x 32 0.969, 4 x 1280 x 32 (448 pairs) 0.997;
 # 1k level (16 x 1k x 32 1.003, 32 x 1k x 32 0.981, 16 x 1k x 16 1.006): from 1088 queries.
 # (1100 and 1152 have no shift, nor a light tile: section 47 had measured none between 1k and
-# 1536, so the old threshold was set by 1k's light tile, which the shift now moves.)
-CAUSAL_3WG_MIN_SEQLEN_FILLED = 1088
+# 1536, so the old threshold was set by 1k's light tile, which the shift now moves.) With each
+# warpgroup's own key bound in these tiles (FastSm90Forward.wg_key_bound: a warpgroup block in
+# two of every tile passed, not computed), H100, time 3 / 2 warpgroups (docs section 54): 16 x
+# 1k x 32 0.941, 32 x 1k x 32 0.939, 16 x 1k x 16 0.950, 8 x 1k x 32 0.956, 16 x 896 x 32
+# 0.952, 16 x 768 x 32 0.959; 24 x 640 x 32 1.007, 32 x 512 x 32 1.032: from 768 queries.
+# The grid rule holds: 2 x 2k x 16 (176 pairs) 0.989, 2 x 2k x 8 (88) 1.189, 1 x 4k x 8 1.175.
+CAUSAL_3WG_MIN_SEQLEN_FILLED = 768
 # rounds of 192-row pairs on the SMs that 3 warpgroups need: two below STREAM_K_MIN_KEYS queries
 # (no stream-K cut for pairs there), one from it
 CAUSAL_3WG_MIN_ROUNDS = 2
@@ -933,26 +938,30 @@ class FastSm90Forward:
         hd256) the first warpgroup's rows never see the tile's last key block, the second
         warpgroup's diagonal, so causal hd256 at tile_n 64 computes one block in 2 (p + 1) less
         per warpgroup pair. On by default in configs without ping-pong (D > 128); never with
-        key ranges, CSR or stream-K. H100, bf16, CUDA-graph replays interleaved, three runs
+        key ranges or a CSR. H100, bf16, CUDA-graph replays interleaved, three runs
         (DUALATTN_AB_GRAPH=1 python ci/sm90_grid_ab.py wg_key_bound), time without / with:
         causal hd256 (tile_n 64) 512 / 1k / 2k / 4k 1.030 / 1.024 / 1.020 / 1.012-1.013, hd192
         (tile_n 112) 512-8k 1.018-1.044, hd192 16k 0.994-1.009; but hd256's 80-wide tiles
         (causal from 8k queries) 0.950-0.983 at 8k, 0.994-1.004 at 16k, so those keep the
         plain bound (the SASS loop is the same length and spill-free either way: a scheduling
-        effect, not code). Ping-pong configs (D <= 128) can run it too (a passed block still
-        takes its turn of the ring), but only hd64's 192-row causal tiles hide blocks when Sq =
-        Sk, and it measured neutral (causal hd64 16k +4.4 / +0.9 / -0.5 % in three runs, hd128
-        and hd64 to 2k 0.98-1.00x, noise at this level: 0.92-1.00 between identical kernels),
-        so they keep the plain bound. DUALATTN_SM90_WG_KEY_BOUND=0 turns it off, =1 on wherever
-        it applies (comparisons; ci/sm90_grid_ab.py wg_key_bound pingpong)."""
-        pingpong = cls.config(spec)[3]
+        effect, not code). Ping-pong configs (D <= 128) run it too (a passed block still takes
+        its turn of the ring), by default only in hd64's 192-row tiles on 128-key blocks, which
+        hide a warpgroup block in two of a causal tile's (with Sq = Sk a 128-row tile hides
+        none): H100 graph A/B, time with / without: hd64 causal 1280 / 2k / 3k / 16k 0.960 /
+        0.962 / 0.984 / 0.990 (docs section 54; section 24 measured it neutral when 2k still ran
+        128-row tiles); and not with a left window bound, where narrow_last orders the visits.
+        Stream-K pieces run it as well: a piece narrows the tile's key range, the bound
+        clips the piece's top, and a warpgroup left with no block in its piece merges an empty
+        state (row max -inf, softmax.merge_scales). DUALATTN_SM90_WG_KEY_BOUND=0 turns it off,
+        =1 on wherever it applies (comparisons; ci/sm90_grid_ab.py wg_key_bound pingpong)."""
+        tile_m, tile_n, _, pingpong = cls.config(spec)[:4]
         masked_right = spec.causal or spec.window[1] >= 0
-        applies = (masked_right
-                   and not (spec.has_key_ranges or spec.has_block_sparse or cls.stream_k(spec)))
+        applies = masked_right and not (spec.has_key_ranges or spec.has_block_sparse)
         if _WG_KEY_BOUND_ENV in ("0", "1"):
             return applies and _WG_KEY_BOUND_ENV == "1"
-        wide_hd256 = (spec.head_dim, spec.head_dim_v) == (256, 256) and cls.config(spec)[1] == 80
-        return applies and not (wide_hd256 or pingpong)
+        wide_hd256 = (spec.head_dim, spec.head_dim_v) == (256, 256) and tile_n == 80
+        tall_tiles = tile_m > tile_n and spec.window[0] < 0
+        return applies and not wide_hd256 and (tall_tiles or not pingpong)
 
     @classmethod
     def stream_k(cls, spec) -> bool:

@@ -398,11 +398,10 @@ class FlashFwdSm90:
         # each consumer warpgroup stops at its own rows' last visible key block: with a right
         # bound the tile's top key blocks can be hidden from the first warpgroup's 64 rows (at
         # tile_n 64, the whole diagonal block of the second one's; with 3 warpgroups of 192
-        # rows on 128-key tiles, a block in every other tile), and it consumes their pipeline
+        # rows on 128-key tiles, three warpgroup blocks in two tiles), and it consumes their pipeline
         # stages without a GEMM. With ping-pong it still takes one turn of the ring of named
         # barriers per passed block (the ring counts one GEMM issue per warpgroup and block)
-        assert not wg_key_bound or (self.mask_right and not (self.dynamic_mask or stream_k)
-                                    and overlap)
+        assert not wg_key_bound or (self.mask_right and not self.dynamic_mask and overlap)
         self.wg_key_bound = wg_key_bound
         # a consumer warpgroup whose 64 rows all lie past the sequence's end (in a last query
         # tile: hd64's 192-row tiles at 1k queries leave two of three warpgroups so) passes the
