@@ -797,15 +797,20 @@ def test_hd64_without_masks_runs_three_consumer_warpgroups():
     assert FastSm90Forward.config(_spec(64, True))[5] is True
     assert FastSm90Forward.config(_spec(128, True, sq=32768, sk=32768))[5] is False
     # causal from 4k queries: 3 warpgroups too; with 4 stages on the persistent grid (paired
-    # order) below 16k queries, one CTA per tile and 3 stages from there
+    # order); varlen from 16k queries one CTA per tile and 3 stages
     mid_causal = _spec(64, True, sq=8192, sk=8192)
     assert FastSm90Forward.config(mid_causal)[:3] == (192, 128, 4) and FastSm90Forward.config(mid_causal)[5]
     assert FastSm90Forward.paired(mid_causal) and FastSm90Forward.q_stages(mid_causal) == 2
     kern = FORWARD.make_kernel(mid_causal)
     assert kern.num_mma_wg == 3 and kern.smem_bytes <= 227 * 1024
     assert FastSm90Forward.config(_spec(64, True, sq=767, sk=767))[0] == 128
+    # from 16k queries: batched stays on the persistent grid (4 stages, the paired order),
+    # varlen runs one CTA per tile with 3 stages
     long_causal = FastSm90Forward.config(_spec(64, True, sq=16384, sk=16384))
-    assert long_causal[:3] == (192, 128, 3) and long_causal[3] is True and long_causal[5] is False
+    assert long_causal[:3] == (192, 128, 4) and long_causal[3] is True and long_causal[5] is True
+    assert FastSm90Forward.paired(_spec(64, True, sq=32768, sk=32768))
+    varlen_long = AttentionSpec("varlen", 2, 16384, 16384, 8, 8, 64, 64, torch.bfloat16, "cuda", causal=True)
+    assert FastSm90Forward.config(varlen_long)[:3] == (192, 128, 3) and FastSm90Forward.config(varlen_long)[5] is False
     assert FastSm90Forward.config(_spec(64, False, window=(64, -1)))[0] == 128
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert ".reqntid 512, 1, 1" in ptx
@@ -1299,10 +1304,10 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
                 _spec(192, True, sq=8192, sk=8192),
                 _spec(256, False, sq=1000, sk=1000, window=(-1, 37)),
                 _spec(64, True, sq=16384, sk=16384), _spec(64, True, sq=8192, sk=8192)]
-    assert [FastSm90Forward.config(s)[:4] for s in on_specs[-2:]] == [(192, 128, 3, True), (192, 128, 4, True)]
+    assert all(FastSm90Forward.config(s)[:4] == (192, 128, 4, True) for s in on_specs[-2:])
     assert FastSm90Forward.stream_k(on_specs[-1])  # (the cut pairs run it too)
     wide = _spec(256, True, sq=8192, sk=8192)
-    pingpong = [_spec(128, True, sq=2048, sk=2048), _spec(64, True, sq=1000, sk=1000)]
+    pingpong = [_spec(128, True, sq=2048, sk=2048), _spec(64, True, sq=700, sk=700)]
     assert all(FastSm90Forward.config(s)[:2] == (128, 128) for s in pingpong)
     off_specs = [_spec(256, False, sq=2048, sk=2048),
                  _spec(256, True, sq=2048, sk=2048, num_key_ranges=1)]

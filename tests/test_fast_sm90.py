@@ -72,6 +72,8 @@ _case("wg3", 1, 512, 512, 4, 4, 64, "float16", False, model_sms=1)
 _case("wg3", 2, 1000, 1000, 4, 2, 64, "bfloat16", False, "0", model_sms=1)
 _case("wg3", 1, 113, 203, 2, 2, 64, "float16", False, softcap=5.0, model_sms=1)
 _case("long", 1, 4224, 4224, 2, 2, 64, "bfloat16", True, num_sms=16)
+# batched causal hd64 from 16k queries: the persistent paired order (varlen: one CTA a tile)
+_case("long16k", 1, 16500, 16500, 2, 1, 64, "bfloat16", True)
 _case("long-odd", 1, 4301, 4157, 4, 2, 64, "bfloat16", True, num_sms=16)
 # sliding windows (bottom-right diagonal) and softcap
 for _w, _c in (((64, 0), False), ((-1, 32), False), ((100, -1), False), ((33, 7), True),

@@ -203,9 +203,20 @@ WINDOW_ORDER_MIN_SEQLEN = 4096
 CAUSAL_3WG_MIN_SEQLEN = 4096  # causal hd64 from this many queries runs 3 warpgroups (below)
 RESCALE_THRESHOLD = 8.0  # see FastSm90Forward.rescale_threshold: P <= 2^8 between rescales
 RESCALE_THRESHOLD_MIN_DV = 192
-CAUSAL_PER_TILE_MIN_SEQLEN = 16384  # causal hd64 from this many queries runs one CTA per tile
+# varlen causal hd64 from this many queries runs one CTA per tile (_hd64_persistent)
+CAUSAL_PER_TILE_MIN_SEQLEN = 16384
 SPLIT_TAIL_TILE_OVERHEAD = 1.2  # key blocks' worth of a tile's start and epilogue (split_tail_schedule)
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
+
+
+def _hd64_persistent(spec) -> bool:
+    """Plain hd64 runs the persistent grid: batched at any length, varlen below
+    CAUSAL_PER_TILE_MIN_SEQLEN queries. Batched causal from 16k queries ran one CTA per tile
+    until each warpgroup's own key bound reached the paired order's stream-K pieces
+    (FastSm90Forward.wg_key_bound); H100, graph A/B, time persistent / one CTA a tile (docs
+    section 54): 1 x 16k x 32 0.969, 2 x 16k x 16 0.956, 1 x 16k x 8 0.991, 1 x 32k x 32
+    0.958, 1 x 32k x 16 0.989."""
+    return _plain_hd64(spec) and (spec.mode == "batched" or spec.seqlen_q < CAUSAL_PER_TILE_MIN_SEQLEN)
 
 
 def _three_warpgroups(spec) -> bool:
@@ -384,7 +395,7 @@ def _causal_order_time(spec, units: int, first: int, last: int, num_sms: int) ->
     order the config gives them without the split: pairs on the persistent grid (each about the
     first tile's blocks plus the last's; cut in two where the pairs fit half the SMs), else one
     CTA a tile (hd128 past 16k keys, hd256 past 2k: _short_masked_tiles)."""
-    persistent = (_plain_hd64(spec) and spec.seqlen_q < CAUSAL_PER_TILE_MIN_SEQLEN) or _short_masked_tiles(spec)
+    persistent = _hd64_persistent(spec) or _short_masked_tiles(spec)
     if _PERSISTENT_ENV:
         persistent = _PERSISTENT_ENV != "0"
     if not persistent:
@@ -577,7 +588,7 @@ class FastSm90Forward:
         # a right window bound alone is causal-like (uneven tiles, heaviest first)
         masked_right = spec.causal or spec.window[1] >= 0
         persistent = (not (masked_right or spec.has_key_ranges or spec.has_block_sparse)
-                      or (_plain_hd64(spec) and spec.seqlen_q < CAUSAL_PER_TILE_MIN_SEQLEN)
+                      or _hd64_persistent(spec)
                       or _short_masked_tiles(spec) or _persistent_csr(spec)
                       or _causal_split_grid(spec)) \
             if _PERSISTENT_ENV == "" else _PERSISTENT_ENV != "0"
