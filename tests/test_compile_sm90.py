@@ -1292,8 +1292,8 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     """Each warpgroup's own key bound is on by default for right-bounded configs without
     ping-pong (D > 128) except hd256's 80-wide key tiles (causal from 8k queries, where it
     measured slower), and for hd64's 192-row ping-pong tiles on 128-key blocks without a left
-    window bound, stream-K's cut pairs included (they hide a warpgroup block in two of every
-    causal tile); never for key ranges / CSR / non-right-bounded ones. 128-row ping-pong configs
+    window bound, stream-K's cut pairs included (they hide three warpgroup blocks in every two
+    causal tiles); never for key ranges / CSR / non-right-bounded ones. 128-row ping-pong configs
     have it only with DUALATTN_SM90_WG_KEY_BOUND=1 (nothing hides when Sq = Sk); =0 turns it
     off everywhere. It is its own compile key; on, the kernel assembles for sm_90a with one more
     key-block loop: the hidden blocks' pass (mbarrier waits, no wgmma; the same loop as
@@ -1325,6 +1325,11 @@ def test_wg_key_bound_is_on_where_measured_to_gain(monkeypatch):
     ptx_off = FORWARD.compile_only(on_specs[0], arch=90).__ptx__
     assert _loops_with(ptx_on, "mbarrier.try_wait") > _loops_with(ptx_off, "mbarrier.try_wait")
     assert _loops_with(ptx_on, "wgmma.mma_async") == _loops_with(ptx_off, "wgmma.mma_async")
+    # configs without the intra-warpgroup overlap (the tile override's sixth field) never take it
+    monkeypatch.setattr(sm90, "_WG_KEY_BOUND_ENV", "")
+    monkeypatch.setenv("DUALATTN_SM90_TILES", "64:128,4,1,1,3,0")
+    assert FastSm90Forward.config(on_specs[-1])[:5] == (192, 128, 4, True, False)
+    assert not FastSm90Forward.wg_key_bound(on_specs[-1])
 
 
 @pytest.mark.compile_only

@@ -264,8 +264,8 @@ def _three_warpgroups(spec) -> bool:
 # 1k level (16 x 1k x 32 1.003, 32 x 1k x 32 0.981, 16 x 1k x 16 1.006): from 1088 queries.
 # (1100 and 1152 have no shift, nor a light tile: section 47 had measured none between 1k and
 # 1536, so the old threshold was set by 1k's light tile, which the shift now moves.) With each
-# warpgroup's own key bound in these tiles (FastSm90Forward.wg_key_bound: a warpgroup block in
-# two of every tile passed, not computed), H100, time 3 / 2 warpgroups (docs section 54): 16 x
+# warpgroup's own key bound in these tiles (FastSm90Forward.wg_key_bound: three warpgroup
+# blocks in every two tiles passed, not computed), H100, time 3 / 2 warpgroups (docs section 54): 16 x
 # 1k x 32 0.941, 32 x 1k x 32 0.939, 16 x 1k x 16 0.950, 8 x 1k x 32 0.956, 16 x 896 x 32
 # 0.952, 16 x 768 x 32 0.959; 24 x 640 x 32 1.007, 32 x 512 x 32 1.032: from 768 queries.
 # The grid rule holds: 2 x 2k x 16 (176 pairs) 0.989, 2 x 2k x 8 (88) 1.189, 1 x 4k x 8 1.175.
@@ -957,7 +957,7 @@ class FastSm90Forward:
         plain bound (the SASS loop is the same length and spill-free either way: a scheduling
         effect, not code). Ping-pong configs (D <= 128) run it too (a passed block still takes
         its turn of the ring), by default only in hd64's 192-row tiles on 128-key blocks, which
-        hide a warpgroup block in two of a causal tile's (with Sq = Sk a 128-row tile hides
+        hide three warpgroup blocks in every two causal tiles (with Sq = Sk a 128-row tile hides
         none): H100 graph A/B, time with / without: hd64 causal 1280 / 2k / 3k / 16k 0.960 /
         0.962 / 0.984 / 0.990 (docs section 54; section 24 measured it neutral when 2k still ran
         128-row tiles); and not with a left window bound, where narrow_last orders the visits.
@@ -965,9 +965,11 @@ class FastSm90Forward:
         clips the piece's top, and a warpgroup left with no block in its piece merges an empty
         state (row max -inf, softmax.merge_scales). DUALATTN_SM90_WG_KEY_BOUND=0 turns it off,
         =1 on wherever it applies (comparisons; ci/sm90_grid_ab.py wg_key_bound pingpong)."""
-        tile_m, tile_n, _, pingpong = cls.config(spec)[:4]
+        tile_m, tile_n, _, pingpong, overlap = cls.config(spec)[:5]
         masked_right = spec.causal or spec.window[1] >= 0
-        applies = masked_right and not (spec.has_key_ranges or spec.has_block_sparse)
+        # (the pass sits in the overlapped loop: configs without it, DUALATTN_SM90_TILES's sixth
+        # field 0, keep the tile's bound)
+        applies = overlap and masked_right and not (spec.has_key_ranges or spec.has_block_sparse)
         if _WG_KEY_BOUND_ENV in ("0", "1"):
             return applies and _WG_KEY_BOUND_ENV == "1"
         wide_hd256 = (spec.head_dim, spec.head_dim_v) == (256, 256) and tile_n == 80
