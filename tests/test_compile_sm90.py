@@ -112,13 +112,14 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     assert key(a, 90) == key(b, 90)  # shapes never recompile
     short_a, short_b = _spec(sq=100, sk=33), _spec(sq=4096, sk=1900)  # under 2048 keys (D <= 128)
     assert key(short_a, 90) == key(short_b, 90)
-    # ... except that keys too few to cut (stream-K) pick the kernel without that code
-    assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16]
+    # ... except that keys too few to cut (stream-K) pick the kernel without that code (and with
+    # the LSE stored after O, FastSm90Forward.lse_after_o, the last field)
+    assert [i for i, (x, y) in enumerate(zip(key(a, 90), key(short_a, 90))) if x != y] == [16, 45]
     key = FORWARD.compile_key(_spec(192, True, torch.float16), 90)
     assert key == ("sm90_fwd", "torch.float16", 192, 192, True, False, False, False, 128, 112, 2, False, True, False,
                    False, False, False, False, True, True, False, 2, False, True, False, False, False, True, False,
                    True, 1, False, False, 8.0, False, L2_SECTION_BYTES, 1, True, "sm_90a", False, False, False, False, 1,
-                   False)
+                   False, True)
     # (element masks from a bit set per row: FastSm90Forward.bit_mask, index 18; tile
     # coordinates from the producer: FastSm90Forward.tile_info, index 19; Q from registers:
     # FastSm90Forward.q_regs, index 20; warpgroups with no row in the sequence pass their
@@ -134,78 +135,91 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     # TMA copies, FastSm90Forward.l2_hints, index 29)
     # (each warpgroup's own key bound: on for causal hd192, FastSm90Forward.wg_key_bound)
     # the softmax's row max / sum in 4 partial chains at D = Dv = 128 (FastSm90Forward.reduce_chains)
-    assert FORWARD.compile_key(_spec(128), 90)[-9] == 4 and FORWARD.compile_key(_spec(64), 90)[-9] == 1
+    assert FORWARD.compile_key(_spec(128), 90)[-10] == 4 and FORWARD.compile_key(_spec(64), 90)[-10] == 1
     # stream-K merges move only the live rows (FastSm90Forward.merge_live_rows, the field before merge_batch):
     # where a tile has rows past the end and the units fit the SMs (split grids); the kernel
     # keeps it only where stream-K is compiled in; off by its knob
     monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "132")
-    assert FORWARD.compile_key(_spec(128), 90)[-3] is True                # 2 x 8 heads x 8 tiles
+    assert FORWARD.compile_key(_spec(128), 90)[-4] is True                # 2 x 8 heads x 8 tiles
     assert FORWARD.make_kernel(_spec(128, sk=8192)).merge_live_rows       # stream-K: kept
     assert not FORWARD.make_kernel(_spec(128, sq=100, sk=33)).merge_live_rows  # nothing to merge
-    assert FORWARD.compile_key(_spec(128, sq=1024), 90)[-3] is False      # whole tiles
-    assert FORWARD.compile_key(_spec(128, sq=3000), 90)[-3] is False      # more units than SMs
+    assert FORWARD.compile_key(_spec(128, sq=1024), 90)[-4] is False      # whole tiles
+    assert FORWARD.compile_key(_spec(128, sq=3000), 90)[-4] is False      # more units than SMs
     monkeypatch.setattr(sm90, "_MERGE_LIVE_ROWS_ENV", "0")
-    assert FORWARD.compile_key(_spec(128), 90)[-3] is False
+    assert FORWARD.compile_key(_spec(128), 90)[-4] is False
     assert not FORWARD.make_kernel(_spec(128, sk=8192)).merge_live_rows
     monkeypatch.setattr(sm90, "_MERGE_LIVE_ROWS_ENV", "")
     # the records a merge of more than two pieces reads at a time (FastSm90Forward.merge_batch,
     # the field before end_aligned): 4 in stream-K configs of at most twice the SMs in units, else 1 (no
     # unrolled merge code where no call cuts more than two pieces); set by its knob
-    assert FORWARD.compile_key(_spec(128, sk=8192), 90)[-2] == 4
+    assert FORWARD.compile_key(_spec(128, sk=8192), 90)[-3] == 4
     assert FORWARD.make_kernel(_spec(128, sk=8192)).merge_batch == 4
     assert FORWARD.make_kernel(_spec(128, sq=100, sk=33)).merge_batch == 1    # no stream-K
-    assert FORWARD.compile_key(_spec(128, sq=4300, sk=8192), 90)[-2] == 1      # 544 units
+    assert FORWARD.compile_key(_spec(128, sq=4300, sk=8192), 90)[-3] == 1      # 544 units
     monkeypatch.setattr(sm90, "_MERGE_BATCH_ENV", "2")
-    assert FORWARD.compile_key(_spec(128, sk=8192), 90)[-2] == 2
+    assert FORWARD.compile_key(_spec(128, sk=8192), 90)[-3] == 2
     monkeypatch.setattr(sm90, "_MERGE_BATCH_ENV", "")
     monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "1")
-    # query tiles aligned to the sequence's end (FastSm90Forward.end_aligned, the last field):
+    # query tiles aligned to the sequence's end (FastSm90Forward.end_aligned, the second last field):
     # right-bounded batched calls on tiles taller than their key blocks whose length leaves a
     # whole 64-row slice over (the shift a run-time value: 900 and 1000 + 64 k share a kernel)
-    assert FORWARD.compile_key(_spec(256, True, sq=900), 90)[-1] is FORWARD.compile_key(_spec(256, True, sq=1600), 90)[-1] is True
+    assert FORWARD.compile_key(_spec(256, True, sq=900), 90)[-2] is FORWARD.compile_key(_spec(256, True, sq=1600), 90)[-2] is True
     assert FORWARD.row_shift(_spec(256, True, sq=900)) == 64 and FORWARD.row_shift(_spec(256, True, sq=1600)) == 64
-    assert FORWARD.compile_key(_spec(256, True, sq=1000), 90)[-1] is False and FORWARD.row_shift(_spec(256, True, sq=1000)) == 0
-    assert FORWARD.compile_key(_spec(256, True, sq=1024), 90)[-1] is False  # no rows left over
-    assert FORWARD.compile_key(_spec(256, False, sq=900), 90)[-1] is False                  # no right bound
-    assert FORWARD.compile_key(_spec(256, True, sq=900, window=(64, 0)), 90)[-1] is False   # a left bound too
-    assert FORWARD.compile_key(_spec(128, True, sq=900), 90)[-1] is False                   # tile_m == tile_n
-    assert FORWARD.compile_key(_spec(192, True, sq=900), 90)[-1] is False  # O by whole tiles (a TMA store can't start before row 0)
+    assert FORWARD.compile_key(_spec(256, True, sq=1000), 90)[-2] is False and FORWARD.row_shift(_spec(256, True, sq=1000)) == 0
+    assert FORWARD.compile_key(_spec(256, True, sq=1024), 90)[-2] is False  # no rows left over
+    assert FORWARD.compile_key(_spec(256, False, sq=900), 90)[-2] is False                  # no right bound
+    assert FORWARD.compile_key(_spec(256, True, sq=900, window=(64, 0)), 90)[-2] is False   # a left bound too
+    assert FORWARD.compile_key(_spec(128, True, sq=900), 90)[-2] is False                   # tile_m == tile_n
+    assert FORWARD.compile_key(_spec(192, True, sq=900), 90)[-2] is False  # O by whole tiles (a TMA store can't start before row 0)
     varlen = AttentionSpec("varlen", 2, 900, 900, 8, 2, 256, 256, torch.bfloat16, "cuda", causal=True)
-    assert FORWARD.compile_key(varlen, 90)[-1] is False
+    assert FORWARD.compile_key(varlen, 90)[-2] is False
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "1")
-    assert FORWARD.compile_key(_spec(128, True, sq=900), 90)[-1] is True
-    assert FORWARD.compile_key(_spec(128, False, sq=900, window=(-1, 3)), 90)[-1] is True  # a right bound alone
+    assert FORWARD.compile_key(_spec(128, True, sq=900), 90)[-2] is True
+    assert FORWARD.compile_key(_spec(128, False, sq=900, window=(-1, 3)), 90)[-2] is True  # a right bound alone
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "0")
-    assert FORWARD.compile_key(_spec(256, True, sq=900), 90)[-1] is False and FORWARD.row_shift(_spec(256, True, sq=900)) == 0
+    assert FORWARD.compile_key(_spec(256, True, sq=900), 90)[-2] is False and FORWARD.row_shift(_spec(256, True, sq=900)) == 0
     monkeypatch.setattr(sm90, "_END_ALIGNED_ENV", "")
+    # a tile's LSE stored after its O store is issued (FastSm90Forward.lse_after_o, the last
+    # field): configs without stream-K code; either order by its knob
+    monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "132")
+    assert FORWARD.compile_key(_spec(128, sq=1024, sk=1024), 90)[-1] is True
+    assert FORWARD.compile_key(_spec(64, True, sq=1024, sk=1024), 90)[-1] is True
+    assert FORWARD.make_kernel(_spec(256, True, sq=1024, sk=1024)).lse_after_o
+    assert FastSm90Forward.stream_k(_spec(128, sk=8192)) and FORWARD.compile_key(_spec(128, sk=8192), 90)[-1] is False
+    monkeypatch.setattr(sm90, "_LSE_AFTER_O_ENV", "1")
+    assert FORWARD.make_kernel(_spec(128, sk=8192)).lse_after_o
+    monkeypatch.setattr(sm90, "_LSE_AFTER_O_ENV", "0")
+    assert FORWARD.compile_key(_spec(128, sq=1024, sk=1024), 90)[-1] is False
+    monkeypatch.setattr(sm90, "_LSE_AFTER_O_ENV", "")
+    monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "1")
     # a light last 192-row tile split over the three warpgroups (FastSm90Forward.key_split, the
     # field before): plain non-causal hd64, not causal, not a window, not 128-row tiles
-    assert FORWARD.compile_key(_spec(64), 90)[-4] is True
-    assert FORWARD.compile_key(_spec(64, True), 90)[-4] is False
-    assert FORWARD.compile_key(_spec(64, window=(100, -1)), 90)[-4] is False
-    assert FORWARD.compile_key(_spec(128), 90)[-4] is False
+    assert FORWARD.compile_key(_spec(64), 90)[-5] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-5] is False
+    assert FORWARD.compile_key(_spec(64, window=(100, -1)), 90)[-5] is False
+    assert FORWARD.compile_key(_spec(128), 90)[-5] is False
     # stream-K (cut tiles in the last rounds) is compiled in for non-causal calls with the keys
     assert FORWARD.compile_key(_spec(192, sk=8192), 90)[16] is True
     # the paired causal order is compiled in (persistent causal grids only)
-    assert FORWARD.compile_key(_spec(64, True), 90)[-14] is True
+    assert FORWARD.compile_key(_spec(64, True), 90)[-15] is True
     # the softmax's rescale threshold: on from Dv 192, off below (FastSm90Forward.rescale_threshold)
-    assert FORWARD.compile_key(_spec(128), 90)[-12] == 0.0
+    assert FORWARD.compile_key(_spec(128), 90)[-13] == 0.0
     assert FORWARD.compile_key(_spec(causal=True), 90) != FORWARD.compile_key(_spec(), 90)
     # window sizes and the cap are runtime values; only whether each bound / softcap exists counts
     assert FORWARD.compile_key(_spec(window=(5, 0)), 90) == FORWARD.compile_key(_spec(window=(90, 3)), 90)
     assert FORWARD.compile_key(_spec(softcap=5.0), 90) == FORWARD.compile_key(_spec(softcap=30.0), 90)
     assert FORWARD.compile_key(_spec(window=(5, -1)), 90) != FORWARD.compile_key(_spec(window=(-1, 5)), 90)
     # windows with a left bound on the persistent grid run the window order instead of the pairs
-    # from 4096 query rows (FastSm90Forward.window_order, the sixth last field); with a left
+    # from 4096 query rows (FastSm90Forward.window_order, the seventh last field); with a left
     # bound at D <= 128 the last key block may run on its upper half (FastSm90Forward.narrow_last,
-    # the fifth last field)
+    # the sixth last field)
     win = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4096, sk=4096), 90)
-    assert win[-6] is True and win[-14] is False
+    assert win[-7] is True and win[-15] is False
     short = FORWARD.compile_key(_spec(window=(64, 0), causal=True, sq=4095, sk=4096), 90)
-    assert short[-6] is False and short[-14] is True
-    assert win[-5] is True and short[-5] is True
-    assert FORWARD.compile_key(_spec(window=(-1, 5)), 90)[-5] is False  # no left bound
-    assert FORWARD.compile_key(_spec(256, window=(64, 0)), 90)[-5] is False  # D > 128
+    assert short[-7] is False and short[-15] is True
+    assert win[-6] is True and short[-6] is True
+    assert FORWARD.compile_key(_spec(window=(-1, 5)), 90)[-6] is False  # no left bound
+    assert FORWARD.compile_key(_spec(256, window=(64, 0)), 90)[-6] is False  # D > 128
 
 
 MASK_CONFIGS = [dict(window=(64, 0)), dict(window=(-1, 32)), dict(window=(33, 7), causal=True),
@@ -448,7 +462,7 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
     assert FORWARD.compile_key(spec, 90)[0] == "sm90_fwd_varlen"
     # causal varlen tiles run heaviest first within L2 sections of (sequence, head) pairs (GQA and
     # short sequences: not in pairs, see test_varlen_paired_order_compiles)
-    assert FORWARD.compile_key(spec, 90)[-13] is causal and not FastSm90Forward.paired(spec)
+    assert FORWARD.compile_key(spec, 90)[-14] is causal and not FastSm90Forward.paired(spec)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     assert _loops_with(ptx, "wgmma.mma_async") >= (2 if causal else 1)
     assert _loops_with(ptx, "cp.async.bulk.tensor") >= 1   # K/V loads stay TMA
@@ -475,7 +489,7 @@ def test_varlen_paired_order_compiles(d):
     long_seq = PAIRED_VARLEN_MIN_SEQLEN[d]
     spec = AttentionSpec("varlen", 10, long_seq, long_seq, 8, 8, d, d, torch.bfloat16, "cuda", causal=True,
                          return_lse=True)
-    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-14] is True
+    assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-15] is True
     for other in (replace(spec, num_heads_kv=2), replace(spec, seqlen_q=long_seq - 1),
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
@@ -943,7 +957,7 @@ def test_persistent_configs_double_buffer_q_where_shared_memory_allows():
     shared-memory budget (checked at trace time) still met at hd128 (224 KB + barriers)."""
     hd128 = _spec(128, False, sq=8192, sk=8192)
     assert FastSm90Forward.config(hd128)[5] and FastSm90Forward.q_stages(hd128) == 2
-    assert FORWARD.compile_key(hd128, 90)[-15] == 2
+    assert FORWARD.compile_key(hd128, 90)[-16] == 2
     assert FastSm90Forward.q_stages(_spec(128, True, sq=32768, sk=32768)) == 1  # one CTA per tile
     assert FastSm90Forward.q_stages(_spec(256, False, sq=8192, sk=8192)) == 1  # O aliases Q
     kern = FORWARD.make_kernel(hd128)
@@ -967,7 +981,7 @@ def test_o_rescale_placement_rule():
     assert not before(_spec(256, False, sq=8192, sk=8192)) and thr(_spec(256, False, sq=8192, sk=8192)) == 8.0
     kern = FORWARD.make_kernel(_spec(128, False, sq=8192, sk=8192))
     assert kern.rescale_before_pv and kern.rescale_threshold == 0.0
-    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-11] is True
+    assert FORWARD.compile_key(_spec(128, False, sq=8192, sk=8192), 90)[-12] is True
 
 
 @pytest.mark.compile_only

@@ -75,6 +75,7 @@ _Q_REGS_ENV = os.environ.get("DUALATTN_SM90_Q_REGS", "")  # see FastSm90Forward.
 _PASS_EMPTY_WG_ENV = os.environ.get("DUALATTN_SM90_PASS_EMPTY_WG", "")  # see .pass_empty_wg
 _KEY_SPLIT_ENV = os.environ.get("DUALATTN_SM90_KEY_SPLIT", "")  # see FastSm90Forward.key_split
 _END_ALIGNED_ENV = os.environ.get("DUALATTN_SM90_END_ALIGNED", "")  # see FastSm90Forward.end_aligned
+_LSE_AFTER_O_ENV = os.environ.get("DUALATTN_SM90_LSE_AFTER_O", "")  # see FastSm90Forward.lse_after_o
 _O_SLOT_ENV = os.environ.get("DUALATTN_SM90_O_SLOT", "")  # see FastSm90Forward.shared_o_slot
 _STAGING_PER_TILE_ENV = os.environ.get("DUALATTN_SM90_STAGING_PER_TILE", "")  # see .staging_per_tile
 _NARROW_FIRST_ENV = os.environ.get("DUALATTN_SM90_NARROW_FIRST", "")  # see .narrow_first
@@ -827,7 +828,7 @@ class FastSm90Forward:
                 self.rescale_threshold(spec), self.rescale_before_pv(spec), L2_SECTION_BYTES,
                 self.reduce_chains(spec), self.wg_key_bound(spec), arch_string(arch), self.window_order(spec),
                 self.narrow_last(spec), self.key_split(spec), self.merge_live_rows(spec),
-                self.merge_batch(spec), self.end_aligned(spec))
+                self.merge_batch(spec), self.end_aligned(spec), self.lse_after_o(spec))
 
     @staticmethod
     def rescale_threshold(spec) -> float:
@@ -1045,6 +1046,20 @@ class FastSm90Forward:
         return (_KEY_SPLIT_ENV != "0" and cls.config(spec)[0] == 192 and cls.pass_empty_wg(spec)
                 and cls.wg_epilogue(spec) and spec.mode == "batched" and not spec.causal
                 and spec.window == (-1, -1) and cls.pack_gqa(spec) == 1 and not cls.q_regs(spec))
+
+    @classmethod
+    def lse_after_o(cls, spec) -> bool:
+        """A tile's LSE stored after its O store is issued, not before O is staged
+        (FlashFwdSm90.store_lse): the proxy fence before the store (MEMBAR.ALL.CTA) no longer
+        orders those global stores inside the serial epilogue. H200 graph A/B, time after /
+        before (python ci/sm90_env_ab.py "_LSE_AFTER_O_ENV=0" "" ...): hd128 causal 1k
+        0.990-0.994 (three runs), hd128 1k 0.977-0.993, hd64 1k 0.986-0.993, hd256 causal 1k / 2k
+        0.990-0.995 / 0.989; but hd128 causal 4k, a stream-K config, 1.023 and 1.043, so configs
+        with stream-K code keep the old order (hd64 causal 4k, hd128 8k level there). Docs
+        section 55. DUALATTN_SM90_LSE_AFTER_O=0 / =1 forces the old / new order (comparisons)."""
+        if _LSE_AFTER_O_ENV:
+            return _LSE_AFTER_O_ENV != "0"
+        return not cls.stream_k(spec)
 
     @classmethod
     def end_aligned(cls, spec) -> bool:
@@ -1333,7 +1348,8 @@ class FastSm90Forward:
                             l2_hints=self.l2_hints(spec), window_order=self.window_order(spec),
                             narrow_last=self.narrow_last(spec), key_split=self.key_split(spec),
                             merge_live_rows=self.merge_live_rows(spec),
-                            merge_batch=self.merge_batch(spec), end_aligned=self.end_aligned(spec))
+                            merge_batch=self.merge_batch(spec), end_aligned=self.end_aligned(spec),
+                            lse_after_o=self.lse_after_o(spec))
 
     @staticmethod
     def arg_schema(spec):

@@ -236,7 +236,8 @@ class FlashFwdSm90:
                  narrow_first: bool = False, trace_phases: bool = False, tile_decoder: bool = False,
                  stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False,
                  window_order: bool = False, narrow_last: bool = False, key_split: bool = False,
-                 merge_live_rows: bool = False, merge_batch: int = 1, end_aligned: bool = False):
+                 merge_live_rows: bool = False, merge_batch: int = 1, end_aligned: bool = False,
+                 lse_after_o: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -321,6 +322,7 @@ class FlashFwdSm90:
         # a call that neither returns the LSE nor needs it for a backward skips its store (the
         # launch then passes no LSE buffer: one allocation less per call)
         self.write_lse = write_lse
+        self.lse_after_o = lse_after_o
         # key ranges: R per-row key intervals (registers); block-sparse: the key tiles come from
         # the q->k CSR. Both decide per key block at run time whether it needs the element mask
         # (dense configs keep the static masked/unmasked split and compile none of this)
@@ -1988,20 +1990,8 @@ class FlashFwdSm90:
                           + cute.math.log2(sm, fastmath=True)) * LN_2
             for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                 acc_O_mn[r, c] = acc_O_mn[r, c] * inv
-
-        # LSE: the first thread of each quad owns its two rows
-        if const_expr(self.write_lse and not self.trace_phases) and tidx % 4 == 0:
-            for r in cutlass.range_constexpr(num_rows):
-                row = m_block * BM + tScS_mn[r, 0][0]
-                if row < seqlen_q:
-                    if const_expr(self.varlen):
-                        mLSE[offset_q + row, head_idx, 0] = lse[r]
-                    elif const_expr(self.end_aligned):
-                        row = row - self.row_shift(seqlen_q, mLSE)
-                        if row >= 0:
-                            mLSE[row, head_idx, batch_idx] = lse[r]
-                    else:
-                        mLSE[row, head_idx, batch_idx] = lse[r]
+        if const_expr(not self.lse_after_o):
+            self.store_lse(mLSE, lse, tScS_mn, m_block, head_idx, batch_idx, seqlen_q, offset_q, tidx)
 
         # ---- O: registers -> shared. Aliased with Q: free once both warpgroups' GEMMs are
         # done. Separate: free once the previous tile's store has read it; the warp that
@@ -2049,6 +2039,29 @@ class FlashFwdSm90:
                 self.store_O_rows(sO, vl[4], offset_q, head_idx, m_block, rows_left, tidx)
         else:  # batched: the TMA store clips a tail tile at the tensor's end
             self.store_O_tma(tma_atom_O, mO, sO, head_idx, batch_idx, m_block, offset_q, tidx)
+
+        if const_expr(self.lse_after_o):
+            self.store_lse(mLSE, lse, tScS_mn, m_block, head_idx, batch_idx, seqlen_q, offset_q, tidx)
+
+    @cute.jit
+    def store_lse(self, mLSE, lse, tScS_mn, m_block, head_idx, batch_idx, seqlen_q, offset_q, tidx):
+        """A tile's LSE: the first thread of each quad owns its two rows. With lse_after_o it
+        is written after O's store is issued: before it, the proxy fence that hands O's staging
+        to the TMA (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S in the SASS) also ordered these global
+        stores, inside the tile's serial epilogue."""
+        BM = self.tile_m
+        if const_expr(self.write_lse and not self.trace_phases) and tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * BM + tScS_mn[r, 0][0]
+                if row < seqlen_q:
+                    if const_expr(self.varlen):
+                        mLSE[offset_q + row, head_idx, 0] = lse[r]
+                    elif const_expr(self.end_aligned):
+                        row = row - self.row_shift(seqlen_q, mLSE)
+                        if row >= 0:
+                            mLSE[row, head_idx, batch_idx] = lse[r]
+                    else:
+                        mLSE[row, head_idx, batch_idx] = lse[r]
 
     @cute.jit
     def visit_plan(self, m_block, head, batch, n_block_min, n_block_max, seqlen_q, offset_q, kr,
