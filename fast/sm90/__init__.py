@@ -1055,8 +1055,8 @@ class FastSm90Forward:
         before (python ci/sm90_env_ab.py "_LSE_AFTER_O_ENV=0" "" ...): hd128 causal 1k
         0.990-0.994 (three runs), hd128 1k 0.977-0.993, hd64 1k 0.986-0.993, hd256 causal 1k / 2k
         0.990-0.995 / 0.989; but hd128 causal 4k, a stream-K config, 1.023 and 1.043, so configs
-        with stream-K code keep the old order (hd64 causal 4k, hd128 8k level there). Docs
-        section 55. DUALATTN_SM90_LSE_AFTER_O=0 / =1 forces the old / new order (comparisons)."""
+        with stream-K code keep the old order (hd64 causal 4k, hd128 8k level there). H100, six
+        short / window cells: 0.981-0.996. Docs section 55. DUALATTN_SM90_LSE_AFTER_O=0 / =1 forces the old / new order (comparisons)."""
         if _LSE_AFTER_O_ENV:
             return _LSE_AFTER_O_ENV != "0"
         return not cls.stream_k(spec)
