@@ -362,6 +362,46 @@ def test_warp_store_o_drops_the_epilogue_barriers(name, spec, tmp_path, monkeypa
     assert abs(loop_on - loop_off) <= 2, found
 
 
+# (id, spec): hd128's per-warpgroup staging, hd64's per-warp stores, hd256's shared O slot
+LSE_CONFIGS = [("hd128-causal-1k", _spec(128, True, 1024)), ("hd64-causal-1k", _spec(64, True, 1024)),
+               ("hd256-causal-2k", _spec(256, True, 2048))]
+
+
+@pytest.mark.compile_only
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,spec", LSE_CONFIGS, ids=[c[0] for c in LSE_CONFIGS])
+def test_lse_stores_follow_the_o_store(name, spec, tmp_path, monkeypatch):
+    """FastSm90Forward.lse_after_o: the LSE's global stores (the kernel's only STG here) come
+    after the proxy fence that hands O's staging to the TMA (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)
+    and after O's TMA store, so the fence no longer waits for them (docs section 55); with the
+    knob off they come before the fence, which checks that the check can fail."""
+    import dualattn.fast.sm90 as sm90
+    for knob in ("", "0"):
+        monkeypatch.setattr(sm90, "_LSE_AFTER_O_ENV", knob)
+        assert FastSm90Forward.lse_after_o(spec) is (knob == "")
+        log, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
+        assert "0 bytes spill stores" in log
+        fences = [i for i, ln in enumerate(sass[:-1])
+                  if "MEMBAR.ALL.CTA" in ln and "FENCE.VIEW.ASYNC.S" in sass[i + 1]]
+        stores = [i for i, ln in enumerate(sass) if opcode(ln).startswith("STG")]
+        o_stores = [i for i, ln in enumerate(sass) if opcode(ln).startswith("UTMASTG")]
+        assert len(fences) == 1 and len(stores) == 2 and o_stores, (fences, stores, o_stores)
+        if knob == "":
+            assert min(stores) > max(o_stores) > fences[0], (fences, stores, o_stores)
+        else:
+            assert max(stores) < fences[0] < min(o_stores), (fences, stores, o_stores)
+
+
+def test_lse_after_o_where_it_applies():
+    """Every config without stream-K code (a stream-K one, hd128 causal 4k, measured slower)."""
+    assert FastSm90Forward.lse_after_o(_spec(128, True, 1024))
+    assert FastSm90Forward.lse_after_o(_spec(128, False, 1000))
+    assert FastSm90Forward.lse_after_o(AttentionSpec("varlen", 3, 4096, 4096, 8, 8, 128, 128,
+                                                     torch.bfloat16, "cuda", causal=True))
+    assert FastSm90Forward.stream_k(_spec(128, True, 4096))
+    assert not FastSm90Forward.lse_after_o(_spec(128, True, 4096))
+
+
 def test_warp_store_o_where_it_applies():
     """Batched calls at Dv <= 64 with a staging slot per warpgroup; not hd128 (measured slower),
     hd256's shared slot, or varlen (a sequence's partial tile goes out by predicated stores)."""
