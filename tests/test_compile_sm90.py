@@ -193,7 +193,7 @@ def test_compile_key_is_explicit_and_shape_free(monkeypatch):
     monkeypatch.setattr(sm90, "_LSE_AFTER_O_ENV", "")
     monkeypatch.setattr(sm90, "_MODEL_SMS_ENV", "1")
     # a light last 192-row tile split over the three warpgroups (FastSm90Forward.key_split, the
-    # field before): plain non-causal hd64, not causal, not a window, not 128-row tiles
+    # fifth last field): plain non-causal hd64, not causal, not a window, not 128-row tiles
     assert FORWARD.compile_key(_spec(64), 90)[-5] is True
     assert FORWARD.compile_key(_spec(64, True), 90)[-5] is False
     assert FORWARD.compile_key(_spec(64, window=(100, -1)), 90)[-5] is False

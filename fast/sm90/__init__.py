@@ -1052,7 +1052,8 @@ class FastSm90Forward:
         """A tile's LSE stored after its O store is issued, not before O is staged
         (FlashFwdSm90.store_lse): the proxy fence before the store (MEMBAR.ALL.CTA) no longer
         orders those global stores inside the serial epilogue. H200 graph A/B, time after /
-        before (python ci/sm90_env_ab.py "_LSE_AFTER_O_ENV=0" "" ...): hd128 causal 1k
+        before (python ci/sm90_env_ab.py "_LSE_AFTER_O_ENV=0" "" ...; one of the three runs with
+        the level early_finalize of docs section 55 on its B side too): hd128 causal 1k
         0.990-0.994 (three runs), hd128 1k 0.977-0.993, hd64 1k 0.986-0.993, hd256 causal 1k / 2k
         0.990-0.995 / 0.989; but hd128 causal 4k, a stream-K config, 1.023 and 1.043, so configs
         with stream-K code keep the old order (hd64 causal 4k, hd128 8k level there). H100, six
