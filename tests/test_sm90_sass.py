@@ -304,6 +304,24 @@ STMATRIX_CONFIGS = [("hd128-causal", _spec(128, True, 1024)), ("hd64-3wg", _spec
                                                    torch.bfloat16, "cuda", causal=True))]
 
 
+def _built_both_ways(monkeypatch, knob, spec, tmp_path, rule=None):
+    """{value: (ptx, sass)} of ``spec`` compiled with the knob ``knob`` (a module global of
+    dualattn.fast.sm90) at its default ("") and off ("0"), each assembled without spills; with
+    ``rule`` (a FastSm90Forward rule), that it is on by default and off by the knob. The tests
+    below compare the two, so that each check can fail."""
+    import dualattn.fast.sm90 as sm90
+    built = {}
+    for value in ("", "0"):
+        monkeypatch.setattr(sm90, knob, value)
+        if rule is not None:
+            assert rule(spec) is (value == ""), (knob, value)
+        ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
+        log, sass = assemble(ptx, str(tmp_path))
+        assert "0 bytes spill stores" in log, (knob, value)
+        built[value] = (ptx, sass)
+    return built
+
+
 @pytest.mark.compile_only
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,spec", STMATRIX_CONFIGS, ids=[c[0] for c in STMATRIX_CONFIGS])
@@ -311,12 +329,8 @@ def test_o_is_staged_by_stmatrix(name, spec, tmp_path, monkeypatch):
     """FastSm90Forward.stmatrix_o: each consumer thread stages its Dv / 2 values of O with Dv / 16
     STSM (four 8 x 8 matrices per warp instruction) instead of Dv / 4 32-bit STS, and nothing in
     the steady key-block loop changes. The knob off is checked too, so that the check can fail."""
-    import dualattn.fast.sm90 as sm90
     found = {}
-    for knob in ("", "0"):
-        monkeypatch.setattr(sm90, "_STMATRIX_O_ENV", knob)
-        log, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
-        assert "0 bytes spill stores" in log
+    for knob, (_, sass) in _built_both_ways(monkeypatch, "_STMATRIX_O_ENV", spec, tmp_path).items():
         lo, hi = steady_loop(sass)
         ops = [opcode(ln).split(".")[0] for ln in sass]
         found[knob] = (ops.count("STSM"), ops.count("STS"), ops[lo:hi + 1])
@@ -345,14 +359,9 @@ def test_warp_store_o_drops_the_epilogue_barriers(name, spec, tmp_path, monkeypa
     their TMA store, so the epilogue's two 128-thread named barriers (before and after the
     staging) become two warp syncs; one store site as before, no spills, the steady loop the same
     length. The knob off is compiled too, so that the check can fail."""
-    import dualattn.fast.sm90 as sm90
     found = {}
-    for knob in ("", "0"):
-        monkeypatch.setattr(sm90, "_WARP_STORE_O_ENV", knob)
-        assert FastSm90Forward.warp_store_o(spec) is (knob == "")
-        ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
-        log, sass = assemble(ptx, str(tmp_path))
-        assert "0 bytes spill stores" in log
+    for knob, (ptx, sass) in _built_both_ways(monkeypatch, "_WARP_STORE_O_ENV", spec, tmp_path,
+                                               FastSm90Forward.warp_store_o).items():
         lo, hi = steady_loop(sass)
         found[knob] = (len(re.findall(r"bar\.sync\s+%r\d+, 128;", ptx)), ptx.count("bar.warp.sync"),
                        len(re.findall(r"cp\.async\.bulk\.tensor\.\w+\.global\.shared", ptx)), hi - lo)
@@ -375,12 +384,8 @@ def test_lse_stores_follow_the_o_store(name, spec, tmp_path, monkeypatch):
     after the proxy fence that hands O's staging to the TMA (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S)
     and after O's TMA store, so the fence no longer waits for them (docs section 55); with the
     knob off they come before the fence, which checks that the check can fail."""
-    import dualattn.fast.sm90 as sm90
-    for knob in ("", "0"):
-        monkeypatch.setattr(sm90, "_LSE_AFTER_O_ENV", knob)
-        assert FastSm90Forward.lse_after_o(spec) is (knob == "")
-        log, sass = assemble(FastSm90Forward().compile_only(spec, arch=90).__ptx__, str(tmp_path))
-        assert "0 bytes spill stores" in log
+    for knob, (_, sass) in _built_both_ways(monkeypatch, "_LSE_AFTER_O_ENV", spec, tmp_path,
+                                             FastSm90Forward.lse_after_o).items():
         fences = [i for i, ln in enumerate(sass[:-1])
                   if "MEMBAR.ALL.CTA" in ln and "FENCE.VIEW.ASYNC.S" in sass[i + 1]]
         stores = [i for i, ln in enumerate(sass) if opcode(ln).startswith("STG")]
