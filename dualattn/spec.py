@@ -49,6 +49,7 @@ class ValueCheckMemo:
 
     def __init__(self, capacity: int = 256):
         self._seen: dict = {}
+        self._values: dict = {}
         self._capacity = capacity
 
     def passed(self, what: tuple, *tensors) -> bool:
@@ -63,6 +64,24 @@ class ValueCheckMemo:
         if len(self._seen) >= self._capacity:
             self._seen.clear()
         self._seen[(what, tuple(id(t) for t in tensors))] = (tuple(weakref.ref(t) for t in tensors), versions)
+
+    def remember_values(self, tensor, values: tuple) -> None:
+        """Keep the host copy of a small tensor the checks read back (cu_seqlens), under the same
+        identity and version rule, for launches that plan by it (FastSm90Forward.varlen_unit_table)
+        without reading device memory again."""
+        versions = version_counters((tensor,))
+        if versions is None:
+            return
+        if len(self._values) >= self._capacity:
+            self._values.clear()
+        self._values[id(tensor)] = (weakref.ref(tensor), versions, values)
+
+    def host_values(self, tensor):
+        """The values remember_values kept for ``tensor``, or None (not read, or changed since)."""
+        hit = self._values.get(id(tensor))
+        if hit is None or hit[0]() is not tensor or hit[1] != version_counters((tensor,)):
+            return None
+        return hit[2]
 
 
 VALUE_CHECK_MEMO = ValueCheckMemo()
@@ -316,6 +335,7 @@ def _check_cu_seqlens(name: str, cu, batch_plus_1: Optional[int], total: int, ma
         if int(d.max()) > max_seqlen:
             raise _err(max_name, f"{max_seqlen} is smaller than the longest sequence {int(d.max())}")
         VALUE_CHECK_MEMO.remember(what, cu)
+        VALUE_CHECK_MEMO.remember_values(cu, tuple(c.tolist()))
     return cu.numel() - 1
 
 

@@ -140,6 +140,26 @@ def test_value_checks_of_a_reused_tensor_run_once_and_again_after_an_in_place_ch
     assert any(r() is None for refs, _ in VALUE_CHECK_MEMO._seen.values() for r in refs)
 
 
+
+def test_checked_cu_seqlens_keep_their_host_values_until_changed():
+    # the value checks' read of cu_seqlens is kept (FastSm90Forward.varlen_unit_table plans by
+    # it without a read of its own), under the memo's identity and version rule
+    from dualattn.spec import VALUE_CHECK_MEMO, set_value_checks
+    q, k, v, cu, m = vl()
+    assert VALUE_CHECK_MEMO.host_values(cu) is None
+    dualattn.attention_varlen(q, k, v, cu, cu, m, m, impl="torch")
+    assert VALUE_CHECK_MEMO.host_values(cu) == tuple(cu.tolist())
+    assert VALUE_CHECK_MEMO.host_values(cu.clone()) is None  # another tensor
+    cu[-1] += 0  # an in-place write moves the version counter
+    assert VALUE_CHECK_MEMO.host_values(cu) is None
+    set_value_checks(False)
+    try:
+        dualattn.attention_varlen(q, k, v, cu, cu, m, m, impl="torch")
+        assert VALUE_CHECK_MEMO.host_values(cu) is None  # nothing read with the checks off
+    finally:
+        set_value_checks(True)
+
+
 def test_unknown_impl():
     q, k, v = qkv()
     raises(ValueError, r"^impl: must be one of", dualattn.attention, q, k, v, impl="cuda")

@@ -503,6 +503,33 @@ def test_varlen_paired_order_compiles(d):
     assert _loops_with(ptx, "wgmma.mma_async") >= 2
 
 
+
+def test_varlen_unit_table_fields_and_plan():
+    """Varlen paired launches pass a unit table and its rounds after the SM count
+    (FastSm90Forward.varlen_unit_table); the host deals the bench's documents by LPT (8 rounds of
+    132 CTAs) and keeps the static stride where every unit weighs the same or the lengths are
+    not on the host (value checks off: no synchronisation of its own)."""
+    from dualattn.bench import doc_lengths
+
+    lengths = doc_lengths(16384, 10)
+    spec = AttentionSpec("varlen", 10, max(lengths), max(lengths), 16, 16, 128, 128, torch.bfloat16, "cuda",
+                         causal=True)
+    assert FastSm90Forward.paired(spec)
+    names = FastSm90Forward.arg_schema(spec).names
+    assert names.index("varlen_unit_table") == names.index("num_sms") + 1
+    assert names.index("varlen_unit_rounds") == names.index("num_sms") + 2
+    for other in (replace(spec, num_heads_kv=4), replace(spec, causal=False)):
+        assert "varlen_unit_table" not in FastSm90Forward.arg_schema(other).names
+    cu = tuple(sum(lengths[:i]) for i in range(11))
+    rounds, table = FastSm90Forward.varlen_unit_plan(spec, cu, cu, 132)
+    assert rounds == 8 and len(table) == 8 * 132 and max(table) == len([u for u in table if u >= 0]) - 1
+    even = tuple(1024 * i for i in range(17))
+    assert FastSm90Forward.varlen_unit_plan(replace(spec, batch=16, seqlen_q=1024, seqlen_k=1024),
+                                            even, even, 132) == (0, [])
+    unseen = torch.tensor(cu, dtype=torch.int32)
+    assert FastSm90Forward.varlen_unit_table(spec, unseen, unseen, torch.device("cpu"), 132) == (0, 0)
+
+
 @pytest.mark.parametrize("width", [16])
 def test_varlen_o_store_threads_tile_exactly(width):
     """The (rows, threads per row) split of the varlen O store tiles 128 x Dv exactly."""

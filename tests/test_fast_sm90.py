@@ -384,6 +384,14 @@ for _name, _n, _d, _base, _mod in (("paired", 10, 128, 500, 1200), ("paired", 45
 # the paired order with a left window bound too (tiles whose key ranges start past 0)
 VARLEN_CASES.append(("varlen-paired-win-d128", [0, 900, 1, 1300, 777], [0, 900, 41, 1380, 777], 4, 4, 128,
                      True, {"window": (300, 0)}))
+# the paired order's units dealt by the launch's table (FastSm90Forward.varlen_unit_table,
+# "varlen_lpt": the knob's value for the call; "1": the case fails unless a table ran) and by
+# the static stride ("0"), on uneven documents with empty and one-row sequences
+for _lpt in ("1", "0"):
+    VARLEN_CASES.append((f"varlen-paired-lpt{_lpt}-d128-causal", [871, 0, 2312, 1, 1500, 969, 1760],
+                         [871, 0, 2312, 1, 1500, 1009, 1760], 4, 4, 128, True, {"varlen_lpt": _lpt}))
+VARLEN_CASES.append(("varlen-paired-lpt1-win-d128", [0, 900, 1, 1300, 777], [0, 900, 41, 1380, 777], 4, 4,
+                     128, True, {"window": (300, 0), "varlen_lpt": "1"}))
 
 
 # key ranges and block-sparse: (name, builder(seed) -> (AttentionCall, reference AttentionCall
@@ -570,8 +578,16 @@ def _run_feature_case(f, name, make):
             rec["ok"] = rec["ok"] and d_o < 2e-2 and d_l < 1e-3 and same_inf
         rec["bitwise"] = bool(torch.equal(outs[0][0], outs[1][0])
                               and torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num()))
+        if impl.name == "fast-sm90" and impl.paired(call.spec):
+            rec["unit_rounds"] = impl.varlen_unit_table(call.spec, call.cu_seqlens_q, call.cu_seqlens_k, q.device,
+                                                        sm90._num_sms(q.device))[1]
+        if lpt == "1" and not rec.get("unit_rounds"):
+            rec["ok"] = False
+            rec["checks"].append("the launch's unit table did not run")
     except Exception as e:
         rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        sm90._VARLEN_LPT_ENV = knob
     f.write(json.dumps(rec) + "\n")
     f.flush()
 
@@ -581,10 +597,16 @@ def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
     from dualattn.dispatch import select
     from dualattn.spec import build_varlen
 
+    import dualattn.fast.sm90 as sm90
+
     kw = dict(kw)
     dt = getattr(torch, kw.pop("dtype", "bfloat16"))
     Dv = kw.pop("dv", D)
+    lpt = kw.pop("varlen_lpt", None)
     rec = {"name": name}
+    knob = sm90._VARLEN_LPT_ENV
+    if lpt is not None:
+        sm90._VARLEN_LPT_ENV = lpt
     try:
         cu_q = torch.tensor([0] + list(torch.tensor(lq).cumsum(0)), dtype=torch.int32, device="cuda")
         cu_k = torch.tensor([0] + list(torch.tensor(lk).cumsum(0)), dtype=torch.int32, device="cuda")
@@ -614,8 +636,16 @@ def _run_varlen_case(f, name, lq, lk, Hq, Hkv, D, causal, kw):
             rec["checks"].append("guard rows after the last sequence were written")
         rec["bitwise"] = bool(torch.equal(outs[0][0], outs[1][0])
                               and torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num()))
+        if impl.name == "fast-sm90" and impl.paired(call.spec):
+            rec["unit_rounds"] = impl.varlen_unit_table(call.spec, call.cu_seqlens_q, call.cu_seqlens_k, q.device,
+                                                        sm90._num_sms(q.device))[1]
+        if lpt == "1" and not rec.get("unit_rounds"):
+            rec["ok"] = False
+            rec["checks"].append("the launch's unit table did not run")
     except Exception as e:
         rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        sm90._VARLEN_LPT_ENV = knob
     f.write(json.dumps(rec) + "\n")
     f.flush()
 

@@ -16,6 +16,8 @@ from dualattn.fast.common.tile_order import (STREAM_K_MIN_KEYS, STREAM_K_PIECES_
                                               SPLIT_DEEP_MAX_PIECES,
                                               WAVE_CALL_BLOCKS, WAVE_PIECE_BLOCKS, WAVE_TILE_BLOCKS,
                                               tile_share, varlen_paired_tile, varlen_paired_units,
+                                              lpt_unit_table, static_stride_loads, varlen_paired_tile_from_table,
+                                              varlen_paired_unit_costs,
                                               light_query_blocks, window_order_slots, window_order_tile)
 
 
@@ -412,6 +414,53 @@ def test_varlen_paired_order_balances_the_bench_documents():
         if m < tiles[rest // heads]:
             strided[t % sms] += overhead + m + 1
     assert max(work) < max(strided)
+
+
+def _doc_unit_costs(lengths, heads, overhead=1.2):
+    """The varlen paired order's unit costs of self-attention documents (128 x 128 tiles)."""
+    tiles = [-(-n // 128) for n in lengths]
+    return tiles, varlen_paired_unit_costs(tiles, heads, lambda seq, m: overhead + min(m + 1, tiles[seq]))
+
+
+@pytest.mark.parametrize("tiles_per_sequence, num_heads, num_sms", [
+    ([14, 18, 9, 8, 17, 16, 7, 10, 19, 13], 16, 132), ([0, 1, 0, 3, 1, 2], 3, 132), ([5], 1, 132),
+    ([2, 0, 7, 7, 1], 4, 5), ([1] * 64, 2, 132), ([33, 1], 2, 1)])
+def test_varlen_unit_table_runs_every_tile_once(tiles_per_sequence, num_heads, num_sms):
+    """The launch's unit table (lpt_unit_table) read as the kernel reads it
+    (varlen_paired_tile_from_table, 2 x grid x rounds slots): every tile of every sequence and
+    head once, a unit's two blocks back to back on one CTA, each CTA's units heaviest first."""
+    costs = varlen_paired_unit_costs(tiles_per_sequence, num_heads, lambda seq, m: 1.2 + m + 1)
+    ctas = min(max(tiles_per_sequence, default=0) * num_heads * len(tiles_per_sequence), num_sms)
+    rounds, table, busiest = lpt_unit_table(costs, ctas)
+    assert len(table) == rounds * ctas and sorted(u for u in table if u >= 0) == list(range(len(costs)))
+    runs = [[] for _ in range(ctas)]
+    for t in range(2 * ctas * rounds):
+        m, seq, head, valid = varlen_paired_tile_from_table(t, ctas, tiles_per_sequence, num_heads, table)
+        if valid:
+            runs[t % ctas].append((seq, head, m))
+    assert sorted(t for r in runs for t in r) == [(s, h, m) for s, n in enumerate(tiles_per_sequence)
+                                                 for h in range(num_heads) for m in range(n)]
+    for c in range(ctas):
+        mine = [table[k * ctas + c] for k in range(rounds) if table[k * ctas + c] >= 0]
+        assert [costs[u] for u in mine] == sorted((costs[u] for u in mine), reverse=True)
+    loads = [sum(costs[table[k * ctas + c]] for k in range(rounds) if table[k * ctas + c] >= 0)
+             for c in range(ctas)]
+    assert max(loads) == pytest.approx(busiest)
+    # LPT's bound: the busiest CTA carries at most the mean plus one unit
+    assert busiest <= sum(costs) / ctas + max(costs, default=0) + 1e-9
+
+
+def test_varlen_unit_table_balances_the_bench_documents():
+    """The bench's 10 documents (hd128, 16 heads, 132 SMs): the static stride's busiest CTA
+    carries 1 / 0.968 of the mean, the LPT table's 1 / 0.995 (the figures in
+    FastSm90Forward.varlen_unit_table's docstring)."""
+    from dualattn.bench import doc_lengths
+
+    _, costs = _doc_unit_costs(doc_lengths(16384, 10), 16)
+    mean = sum(costs) / 132
+    static = max(static_stride_loads(costs, 132))
+    rounds, _, busiest = lpt_unit_table(costs, 132)
+    assert round(mean / static, 3) == 0.968 and round(mean / busiest, 3) == 0.995 and rounds == 8
 
 
 def _stream_k_schedule(num_tiles, num_ctas, blocks):

@@ -426,6 +426,67 @@ def varlen_paired_tile(tile, num_ctas, tiles_per_sequence, num_heads):
     return 0, len(tiles_per_sequence), 0, False
 
 
+
+def varlen_paired_unit_costs(tiles_per_sequence, num_heads, tile_cost):
+    """Modelled work of every unit of the varlen paired order, in the kernel's unit order
+    (varlen_paired_units): ``tile_cost(sequence, m_block)`` per tile of the unit."""
+    costs = []
+    for seq, n in enumerate(tiles_per_sequence):
+        for r in range(paired_units(n, num_heads)):
+            work = 0.0
+            for second in (0, 1):
+                m_block, _, valid = pair_of_unit(r, second, n, num_heads)
+                work += tile_cost(seq, m_block) if valid else 0.0
+            costs.append(work)
+    return costs
+
+
+def static_stride_loads(costs, num_ctas):
+    """Each CTA's modelled work when CTA c runs units c, c + num_ctas, ... (the static stride)."""
+    loads = [0.0] * num_ctas
+    for u, work in enumerate(costs):
+        loads[u % num_ctas] += work
+    return loads
+
+
+def lpt_unit_table(costs, num_ctas):
+    """(rounds, table, busiest CTA's modelled work) of units dealt longest-processing-time first:
+    each unit, heaviest first (ties: the lower unit, so a sequence's units stay together), to
+    the CTA with the least work so far (ties: the lower CTA). ``table[k * num_ctas + c]`` is CTA
+    c's k-th unit, -1 past its last; every CTA's units come heaviest first, so the grid's k-th
+    round runs units of about one weight together, as the static stride's rounds do.
+    Host-side, O(units x log CTAs)."""
+    heap = [(0.0, c) for c in range(num_ctas)]
+    per_cta = [[] for _ in range(num_ctas)]
+    for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
+        work, c = heap[0]
+        per_cta[c].append(u)
+        heapq.heapreplace(heap, (work + costs[u], c))
+    rounds = max((len(r) for r in per_cta), default=0)
+    table = [-1] * (rounds * num_ctas)
+    for c, r in enumerate(per_cta):
+        for k, u in enumerate(r):
+            table[k * num_ctas + c] = u
+    return rounds, table, max((w for w, _ in heap), default=0.0)
+
+
+def varlen_paired_tile_from_table(tile, num_ctas, tiles_per_sequence, num_heads, table):
+    """varlen_paired_tile with the units dealt by a launch table (lpt_unit_table): slot
+    ``tile``'s unit slot is looked up, and -1 (past a CTA's last unit) is an empty slot. A CPU
+    model of FlashFwdSm90.varlen_paired_tile with the table."""
+    unit_slot, second = paired_slot(tile, num_ctas)
+    unit = table[unit_slot] if unit_slot < len(table) else -1
+    if unit < 0:
+        return 0, len(tiles_per_sequence), 0, False
+    return varlen_paired_tile(_slot_of_unit(unit, second, num_ctas), num_ctas, tiles_per_sequence,
+                              num_heads)
+
+
+def _slot_of_unit(unit, second, num_ctas):
+    """The static order's slot of block ``second`` of ``unit`` (paired_slot's inverse)."""
+    k = 2 * (unit // num_ctas) + second
+    return k * num_ctas + unit % num_ctas
+
 # -- stream-K tail: the grid's last, partly filled round split along the keys -----------------
 #
 # A persistent grid of G CTAs walking T equal tiles with a stride finishes in ceil(T / G) rounds;

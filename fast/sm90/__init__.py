@@ -34,7 +34,8 @@ from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_K
                                               paired_unit_blocks, paired_units, split_tail_plan, split_tail_table,
                                               stream_k_tiles, split_pieces, stream_k_grid,
                                               SPLIT_MAX_PIECES, WAVE_CALL_BLOCKS, WAVE_PIECE_BLOCKS,
-                                              WAVE_TILE_BLOCKS)
+                                              WAVE_TILE_BLOCKS, lpt_unit_table, static_stride_loads,
+                                              varlen_paired_unit_costs)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -59,6 +60,7 @@ _WG_EPILOGUE_ENV = os.environ.get("DUALATTN_SM90_WG_EPILOGUE", "")  # see FastSm
 _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see FastSm90Forward.wg_key_bound
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
+_VARLEN_LPT_ENV = os.environ.get("DUALATTN_SM90_VARLEN_LPT", "")  # see .varlen_unit_table
 # a fixed count of tail groups (comparisons; see FastSm90Forward.split_tail_schedule)
 _SPLIT_TAIL_GROUPS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL_GROUPS", "")  # (split_tail)
 # the modelled tile overhead in key blocks (comparisons; default SPLIT_TAIL_TILE_OVERHEAD)
@@ -1371,6 +1373,8 @@ class FastSm90Forward:
             fields += [(f"{t}_stride_{m}", "i64") for t in "qkv" for m in "bsh"]
         fields += [("scale_log2", "f32"), ("win_left", "i32"), ("win_right", "i32"),
                    ("softcap_scale", "f32"), ("softcap", "f32"), ("num_sms", "i32")]
+        if spec.mode == "varlen" and FastSm90Forward.paired(spec):  # (FlashFwdSm90.from_packed_varlen)
+            fields += [("varlen_unit_table", ("ptr", cutlass.Int32, 4)), ("varlen_unit_rounds", "i32")]
         if FastSm90Forward.split_tail(spec):  # the split tail (FlashFwdSm90.from_packed)
             fields += [("split_tail_groups", "i32"), ("split_tail_table", ("ptr", cutlass.Int32, 4)),
                        ("split_tail_rounds", "i32")]
@@ -1446,6 +1450,72 @@ class FastSm90Forward:
             # (setdefault: two threads making the same table keep one, and both use it)
             t = cls._tail_tables.setdefault(key, torch.tensor(table, dtype=torch.int32, device=device))
         return t.data_ptr()
+
+    # varlen unit tables' plans by (spec, device, CTAs, sequence lengths): (table address, rounds)
+    _varlen_plans: dict = {}
+
+    @classmethod
+    def varlen_unit_table(cls, spec, cu_q, cu_k, device, num_sms: int) -> Tuple[int, int]:
+        """(table address, rounds) of a varlen paired launch (arg_schema's varlen fields), or
+        (0, 0) for the static stride. The static stride hands CTA c units c, c + G, ...; units
+        of sequences of different lengths differ in work, and at the bench's documents cell (10
+        documents of 871-2312 rows, 16 heads, 132 CTAs) its busiest CTA carries 1 / 0.968 of the
+        mean (tile_order model, tiles costed as their key blocks + SPLIT_TAIL_TILE_OVERHEAD).
+        The launch instead deals the units longest-processing-time first (tile_order
+        .lpt_unit_table; model: 1 / 0.995), when that lowers the busiest CTA's work by
+        SPLIT_TAIL_MIN_GAIN. It needs the sequence lengths on the host, and reads them only where
+        the value checks already did (spec.VALUE_CHECK_MEMO.host_values: no extra
+        synchronisation); with value checks off, or a cu_seqlens first seen inside a CUDA graph
+        capture, the launch keeps the static stride. DUALATTN_SM90_VARLEN_LPT=0 turns it off,
+        =1 deals by LPT whatever the gain (comparisons, tests)."""
+        if _VARLEN_LPT_ENV == "0" or not cls.paired(spec):
+            return 0, 0
+        from dualattn.spec import VALUE_CHECK_MEMO
+        host_q, host_k = VALUE_CHECK_MEMO.host_values(cu_q), VALUE_CHECK_MEMO.host_values(cu_k)
+        if host_q is None or host_k is None:
+            return 0, 0
+        tile_m = cls.config(spec)[0]
+        # the kernel's grid (FlashFwdSm90.__call__): min(tiles of the longest sequence, SMs)
+        ctas = min(-(-spec.seqlen_q // tile_m) * spec.num_heads_q * spec.batch, num_sms)
+        key = (spec, device.index, ctas, host_q, host_k, _VARLEN_LPT_ENV)
+        hit = cls._varlen_plans.get(key)
+        if hit is not None:
+            return hit
+        if torch.cuda.is_current_stream_capturing():  # (no host-to-device copy inside a capture)
+            return 0, 0
+        rounds, table = cls.varlen_unit_plan(spec, host_q, host_k, ctas)
+        plan = (cls._tail_table(device, table), rounds) if rounds else (0, 0)
+        if not plan[0]:
+            plan = (0, 0)
+        if len(cls._varlen_plans) >= 1024:  # keys hold lengths: keep it bounded
+            cls._varlen_plans.clear()
+        cls._varlen_plans[key] = plan
+        return plan
+
+    @classmethod
+    def varlen_unit_plan(cls, spec, host_q, host_k, ctas: int) -> Tuple[int, list]:
+        """(rounds, table) of varlen_unit_table from the host's cu_seqlens, (0, []) for the
+        static stride. A tile costs its key blocks (FlashFwdSm90.key_block_bounds, transcribed:
+        no packed GQA rows or end alignment in varlen) plus SPLIT_TAIL_TILE_OVERHEAD."""
+        tile_m, tile_n = cls.config(spec)[:2]
+        _, win_left, win_right, _, _ = cls.runtime_scalars(spec)
+        left = spec.window[0] >= 0
+        lens_q = [b - a for a, b in zip(host_q, host_q[1:])]
+        lens_k = [b - a for a, b in zip(host_k, host_k[1:])]
+        overhead = float(_SPLIT_TAIL_OVERHEAD_ENV or SPLIT_TAIL_TILE_OVERHEAD)
+
+        def tile_cost(seq, m):
+            sq, sk = lens_q[seq], lens_k[seq]
+            hi = min(-(-sk // tile_n), -(-max((m + 1) * tile_m + sk - sq + win_right, 0) // tile_n))
+            lo = max(m * tile_m + sk - sq - win_left, 0) // tile_n if left else 0
+            return max(hi - lo, 0) + overhead
+
+        costs = varlen_paired_unit_costs([-(-n // tile_m) for n in lens_q], spec.num_heads_q, tile_cost)
+        rounds, table, busiest = lpt_unit_table(costs, ctas)
+        static = max(static_stride_loads(costs, ctas), default=0.0)
+        if _VARLEN_LPT_ENV != "1" and busiest > (1 - SPLIT_TAIL_MIN_GAIN) * static:
+            return 0, []
+        return rounds, table
 
     @staticmethod
     def runtime_scalars(spec):
@@ -1578,10 +1648,11 @@ class FastSm90Forward:
         cu_k = call.cu_seqlens_k.to(torch.int32).contiguous()
         fn, pack, tail, _ = self._entry(spec, q.device)
         sq, sk, sv = q.stride(), k.stride(), v.stride()
+        units = self.varlen_unit_table(spec, cu_q, cu_k, q.device, tail[-1]) if self.paired(spec) else ()
         args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                     cu_q.data_ptr(), cu_k.data_ptr(), Tq, k.shape[0], Hq, k.shape[1],
                     spec.batch, max(spec.seqlen_q, 1), sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
-                    *tail, *self.feature_values(call))
+                    *tail, *units, *self.feature_values(call))
         _launch(fn, args, q.device)
         return out, lse
 

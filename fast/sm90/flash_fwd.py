@@ -596,9 +596,9 @@ class FlashFwdSm90:
             grid = (grid_x, 1, 1)
         # varlen stores a sequence's last, partial tile with row-predicated stores (a TMA store
         # writes whole tiles, past the sequence's end into the next one): it also gets the plain
-        # gmem O, as vl[4]
+        # gmem O, as vl[4] (the paired order's unit table and rounds follow: vl[5], vl[6])
         if const_expr(self.varlen):
-            vl = (*vl, mO)
+            vl = (*vl[:4], mO, *vl[4:])
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_V, tma_atom_O, tma_O, mLSE,
             softmax_scale_log2, win_left, win_right, softcap_scale, softcap_val,
@@ -703,8 +703,13 @@ class FlashFwdSm90:
             (1, heads_q, total_q), stride=(lse_sh * heads_q, lse_sh, 1)))
         mCuQ = cute.make_tensor(cuq_ptr, cute.make_layout(batch + 1))
         mCuK = cute.make_tensor(cuk_ptr, cute.make_layout(batch + 1))
-        self.__call__(mQ, mK, mV, mO, mLSE, *args.values[19:25], stream,
-                      (mCuQ, mCuK, max_seqlen_q, batch), *self.feature_args(args.values[25:]))
+        vl = (mCuQ, mCuK, max_seqlen_q, batch)
+        feat = args.values[25:]
+        if const_expr(self.paired):
+            # the launch's unit table and its rounds (0: the static stride; varlen_paired_tile)
+            vl = (*vl, cute.make_tensor(feat[0], cute.make_layout(1 << 30)), feat[1])
+            feat = feat[2:]
+        self.__call__(mQ, mK, mV, mO, mLSE, *args.values[19:25], stream, vl, *self.feature_args(feat))
 
     def _smem_layout(self, shape, stages, band_rows: int = 0):
         """Swizzle atoms tiled down the rows, then across the columns; with band_rows, first
@@ -821,8 +826,10 @@ class FlashFwdSm90:
                 n = n - sk[2] + STREAM_K_PIECES_PER_CTA * cute.arch.grid_dim()[0]
         if const_expr(self.paired and self.varlen):
             gx = cute.arch.grid_dim()[0]
-            units = self.varlen_unit_doc(Int32(1 << 30), vl, cute.size(mQ.shape[2]))[3]
-            n = 2 * gx * cute.ceil_div(units, gx)
+            n = 2 * gx * vl[6]  # the launch's unit table: its rounds
+            if vl[6] == 0:
+                units = self.varlen_unit_doc(Int32(1 << 30), vl, cute.size(mQ.shape[2]))[3]
+                n = 2 * gx * cute.ceil_div(units, gx)
         elif const_expr(self.paired and self.split_tail):
             n = split_tail_slots(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
                                  cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]),
@@ -1145,8 +1152,15 @@ class FlashFwdSm90:
         """(m_block, sequence * heads + head, valid) of slot ``tile`` of the varlen paired order:
         units numbered across sequences without gaps (so the static stride stays balanced up to
         one unit, as in the batched paired order), each pairing query blocks p and n - 1 - p of
-        one head of its sequence (equal work within a sequence)."""
+        one head of its sequence (equal work within a sequence). With the launch's unit table
+        (vl[5], vl[6] rounds; FastSm90Forward.varlen_unit_table) CTA c's k-th unit is the table's
+        entry k * grid + c instead of unit k * grid + c, -1 for none (tile_order
+        .varlen_paired_tile_from_table is the CPU model)."""
         unit, second = paired_slot(tile, cute.arch.grid_dim()[0])
+        if vl[6] > 0:
+            unit = vl[5][unit]
+            if unit < 0:
+                unit = Int32(1 << 30)  # past every sequence's units: an empty slot
         seq, first, blocks, _ = self.varlen_unit_doc(unit, vl, num_heads)
         m_block, head, valid = pair_of_unit(unit - first, second, cutlass.max(blocks, 1), num_heads)
         m_out = Int32(0)
