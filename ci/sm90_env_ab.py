@@ -10,7 +10,9 @@ A and B: ';'-separated NAME=VALUE settings, NAME a module global of dualattn.fas
 (DUALATTN_SM90_TILES=256:64,2); "" is the default. CELL: batch,seqlen,heads,head_dim,causal (0/1),
 query and key lengths equal or as Sq:Sk (e.g. 1,256:16384,32/8,128,1), or one of the bench's mask cells by name (window, docs, sparse), or a
 causal sliding window as window:batch,seqlen,heads,head_dim,left (e.g. window:2,8192,16,128,1024),
-or with ,right appended a non-causal window of both bounds; heads as 32/8 for GQA (dense or window).
+or with ,right appended a non-causal window of both bounds; heads as 32/8 for GQA (dense or window),
+or packed causal documents as docs:tokens,documents,heads,head_dim (bench.doc_lengths' lengths,
+e.g. docs:32768,20,16,128).
 Prints each cell's TFLOP/s both ways and time B / time A (above 1: B is slower).
 ci/sm90_grid_ab.py runs one knob over a fixed set of the bench's cells; this runs any two settings
 over any cells."""
@@ -61,6 +63,9 @@ def main(a: str, b: str, cells) -> None:
     for text in cells:
         if text in MASK_CELLS:
             cell = MASK_CELLS[text]
+        elif text.startswith("docs:"):
+            tokens, docs, heads, head_dim = (int(x) for x in text[5:].split(","))
+            cell = B.Cell("fwd", "docs", 1, tokens, tokens, heads, heads, head_dim, True, docs=docs)
         elif text.startswith("window:"):
             fields = text[7:].split(",")
             heads_q, heads_kv = parse_heads(fields[2])

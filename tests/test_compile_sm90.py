@@ -523,6 +523,11 @@ def test_varlen_unit_table_fields_and_plan():
     cu = tuple(sum(lengths[:i]) for i in range(11))
     rounds, table = FastSm90Forward.varlen_unit_plan(spec, cu, cu, 132)
     assert rounds == 8 and len(table) == 8 * 132 and max(table) == len([u for u in table if u >= 0]) - 1
+    # 14 documents in 16k: LPT's greedy deal models 1.006x the static stride's busiest CTA
+    docs14 = doc_lengths(16384, 14)
+    cu14 = tuple(sum(docs14[:i]) for i in range(15))
+    assert FastSm90Forward.varlen_unit_plan(replace(spec, batch=14, seqlen_q=max(docs14), seqlen_k=max(docs14)),
+                                            cu14, cu14, 132) == (0, [])
     even = tuple(1024 * i for i in range(17))
     assert FastSm90Forward.varlen_unit_plan(replace(spec, batch=16, seqlen_q=1024, seqlen_k=1024),
                                             even, even, 132) == (0, [])

@@ -61,6 +61,8 @@ _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see Fast
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
 _VARLEN_LPT_ENV = os.environ.get("DUALATTN_SM90_VARLEN_LPT", "")  # see .varlen_unit_table
+# the modelled tile overhead of the varlen unit table (comparisons; VARLEN_LPT_TILE_OVERHEAD)
+_VARLEN_LPT_OVERHEAD_ENV = os.environ.get("DUALATTN_SM90_VARLEN_LPT_OVERHEAD", "")
 # a fixed count of tail groups (comparisons; see FastSm90Forward.split_tail_schedule)
 _SPLIT_TAIL_GROUPS_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL_GROUPS", "")  # (split_tail)
 # the modelled tile overhead in key blocks (comparisons; default SPLIT_TAIL_TILE_OVERHEAD)
@@ -209,6 +211,10 @@ RESCALE_THRESHOLD_MIN_DV = 192
 # varlen causal hd64 from this many queries runs one CTA per tile (_hd64_persistent)
 CAUSAL_PER_TILE_MIN_SEQLEN = 16384
 SPLIT_TAIL_TILE_OVERHEAD = 1.2  # key blocks' worth of a tile's start and epilogue (split_tail_schedule)
+# the same for the varlen unit table (varlen_unit_plan): with 1.2 the table lost where documents
+# are short (H100, 40 documents in 32k tokens: time 1.101 against the static stride); with 3 the
+# model's time ratios match the measured ones within 0.001-0.016 over ten documents cells
+VARLEN_LPT_TILE_OVERHEAD = 3.0
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
 
@@ -1459,11 +1465,17 @@ class FastSm90Forward:
         """(table address, rounds) of a varlen paired launch (arg_schema's varlen fields), or
         (0, 0) for the static stride. The static stride hands CTA c units c, c + G, ...; units
         of sequences of different lengths differ in work, and at the bench's documents cell (10
-        documents of 871-2312 rows, 16 heads, 132 CTAs) its busiest CTA carries 1 / 0.968 of the
-        mean (tile_order model, tiles costed as their key blocks + SPLIT_TAIL_TILE_OVERHEAD).
+        documents of 871-2312 rows, 16 heads, 132 CTAs) its busiest CTA carries 1 / 0.972 of the
+        mean (tile_order model, tiles costed as their key blocks + VARLEN_LPT_TILE_OVERHEAD).
         The launch instead deals the units longest-processing-time first (tile_order
         .lpt_unit_table; model: 1 / 0.995), when that lowers the busiest CTA's work by
-        SPLIT_TAIL_MIN_GAIN. It needs the sequence lengths on the host, and reads them only where
+        SPLIT_TAIL_MIN_GAIN. H100, bf16, causal documents (bench.doc_lengths), graph A/B
+        (ci/sm90_env_ab.py "_VARLEN_LPT_ENV=0" "" docs:...), time with / without (model):
+        hd128 10 documents in 16k, 16 heads 0.980 (0.977); 5 in 16k 0.987 (0.983); 20 in 32k
+        0.943 (0.953); 6 in 8k, 32 heads 0.938 (0.939); 40 in 64k, 8 heads 0.910 (0.926); 16 in
+        16k 0.892 (0.905); 20 in 16k 0.968 (0.963); 40 in 32k 0.996 (0.988); 10 in 8k, 32 heads
+        0.952 (0.962); 14 in 16k 1.001 (1.006: the static stride is kept); hd64 10 in 16k, 32
+        heads 0.987 (docs section 56). It needs the sequence lengths on the host, and reads them only where
         the value checks already did (spec.VALUE_CHECK_MEMO.host_values: no extra
         synchronisation); with value checks off, or a cu_seqlens first seen inside a CUDA graph
         capture, the launch keeps the static stride. DUALATTN_SM90_VARLEN_LPT=0 turns it off,
@@ -1477,7 +1489,7 @@ class FastSm90Forward:
         tile_m = cls.config(spec)[0]
         # the kernel's grid (FlashFwdSm90.__call__): min(tiles of the longest sequence, SMs)
         ctas = min(-(-spec.seqlen_q // tile_m) * spec.num_heads_q * spec.batch, num_sms)
-        key = (spec, device.index, ctas, host_q, host_k, _VARLEN_LPT_ENV)
+        key = (spec, device.index, ctas, host_q, host_k, _VARLEN_LPT_ENV, _VARLEN_LPT_OVERHEAD_ENV)
         hit = cls._varlen_plans.get(key)
         if hit is not None:
             return hit
@@ -1496,13 +1508,13 @@ class FastSm90Forward:
     def varlen_unit_plan(cls, spec, host_q, host_k, ctas: int) -> Tuple[int, list]:
         """(rounds, table) of varlen_unit_table from the host's cu_seqlens, (0, []) for the
         static stride. A tile costs its key blocks (FlashFwdSm90.key_block_bounds, transcribed:
-        no packed GQA rows or end alignment in varlen) plus SPLIT_TAIL_TILE_OVERHEAD."""
+        no packed GQA rows or end alignment in varlen) plus VARLEN_LPT_TILE_OVERHEAD."""
         tile_m, tile_n = cls.config(spec)[:2]
         _, win_left, win_right, _, _ = cls.runtime_scalars(spec)
         left = spec.window[0] >= 0
         lens_q = [b - a for a, b in zip(host_q, host_q[1:])]
         lens_k = [b - a for a, b in zip(host_k, host_k[1:])]
-        overhead = float(_SPLIT_TAIL_OVERHEAD_ENV or SPLIT_TAIL_TILE_OVERHEAD)
+        overhead = float(_VARLEN_LPT_OVERHEAD_ENV or VARLEN_LPT_TILE_OVERHEAD)
 
         def tile_cost(seq, m):
             sq, sk = lens_q[seq], lens_k[seq]
