@@ -12,7 +12,7 @@ query and key lengths equal or as Sq:Sk (e.g. 1,256:16384,32/8,128,1), or one of
 causal sliding window as window:batch,seqlen,heads,head_dim,left (e.g. window:2,8192,16,128,1024),
 or with ,right appended a non-causal window of both bounds; heads as 32/8 for GQA (dense or window),
 or packed causal documents as docs:tokens,documents,heads,head_dim (bench.doc_lengths' lengths,
-e.g. docs:32768,20,16,128).
+e.g. docs:32768,20,16,128 or docs:16384,10,16/4,128).
 Prints each cell's TFLOP/s both ways and time B / time A (above 1: B is slower).
 ci/sm90_grid_ab.py runs one knob over a fixed set of the bench's cells; this runs any two settings
 over any cells."""
@@ -64,8 +64,10 @@ def main(a: str, b: str, cells) -> None:
         if text in MASK_CELLS:
             cell = MASK_CELLS[text]
         elif text.startswith("docs:"):
-            tokens, docs, heads, head_dim = (int(x) for x in text[5:].split(","))
-            cell = B.Cell("fwd", "docs", 1, tokens, tokens, heads, heads, head_dim, True, docs=docs)
+            tokens, docs, heads, head_dim = text[5:].split(",")
+            heads_q, heads_kv = parse_heads(heads)
+            cell = B.Cell("fwd", "docs", 1, int(tokens), int(tokens), heads_q, heads_kv, int(head_dim), True,
+                          docs=int(docs))
         elif text.startswith("window:"):
             fields = text[7:].split(",")
             heads_q, heads_kv = parse_heads(fields[2])

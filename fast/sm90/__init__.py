@@ -27,6 +27,7 @@ from typing import Optional, Tuple
 import torch
 
 from dualattn import dispatch
+from dualattn.spec import VALUE_CHECK_MEMO
 from dualattn.fast.common.compile_cache import CompileCache, arch_string, target_arch
 from dualattn.fast.common.sm90_pipeline import SMEM_LIMIT
 from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_KEYS, SPLIT_MIN_PIECE_KEYS_CAUSAL, SPLIT_TAIL_MIN_GAIN, STREAM_K_MIN_KEYS,
@@ -908,12 +909,14 @@ class FastSm90Forward:
         (pairs of different sequences differ in work; CTA c still runs every num_ctas-th pair;
         each tile finds its sequence by a warp scan of cu_seqlens) for calls of few, long
         sequences without GQA (_paired_varlen); other varlen calls run in varlen_sections' order. Not key ranges / block-sparse (one CTA per tile).
-        DUALATTN_SM90_PAIRED=0 turns it off (comparisons)."""
+        DUALATTN_SM90_PAIRED=0 turns it off, =varlen pairs every varlen causal call
+        (comparisons)."""
         persistent = cls.config(spec)[5]
         masked_right = spec.causal or spec.window[1] >= 0
         return (persistent and masked_right and not spec.has_key_ranges
                 and not spec.has_block_sparse and _PAIRED_ENV != "0"
-                and (spec.mode != "varlen" or _paired_varlen(spec)) and not cls.window_order(spec)
+                and (spec.mode != "varlen" or _paired_varlen(spec) or _PAIRED_ENV == "varlen")
+                and not cls.window_order(spec)
                 and not _causal_split_grid(spec))
 
     @classmethod
@@ -1480,21 +1483,24 @@ class FastSm90Forward:
         synchronisation); with value checks off, or a cu_seqlens first seen inside a CUDA graph
         capture, the launch keeps the static stride. DUALATTN_SM90_VARLEN_LPT=0 turns it off,
         =1 deals by LPT whatever the gain (comparisons, tests)."""
-        if _VARLEN_LPT_ENV == "0" or not cls.paired(spec):
+        if _VARLEN_LPT_ENV == "0":
             return 0, 0
-        from dualattn.spec import VALUE_CHECK_MEMO
-        host_q, host_k = VALUE_CHECK_MEMO.host_values(cu_q), VALUE_CHECK_MEMO.host_values(cu_k)
+        host_q = VALUE_CHECK_MEMO.host_values(cu_q)
+        host_k = host_q if cu_k is cu_q else VALUE_CHECK_MEMO.host_values(cu_k)
         if host_q is None or host_k is None:
+            return 0, 0
+        # (the lengths and the spec decide the plan; the spec's rules are asked once, on a miss)
+        key = (spec, device.index, num_sms, host_q, host_k, _VARLEN_LPT_ENV, _VARLEN_LPT_OVERHEAD_ENV)
+        hit = cls._varlen_plans.get(key)
+        if hit is not None:
+            return hit
+        if not cls.paired(spec):
+            return 0, 0
+        if torch.cuda.is_current_stream_capturing():  # (no host-to-device copy inside a capture)
             return 0, 0
         tile_m = cls.config(spec)[0]
         # the kernel's grid (FlashFwdSm90.__call__): min(tiles of the longest sequence, SMs)
         ctas = min(-(-spec.seqlen_q // tile_m) * spec.num_heads_q * spec.batch, num_sms)
-        key = (spec, device.index, ctas, host_q, host_k, _VARLEN_LPT_ENV, _VARLEN_LPT_OVERHEAD_ENV)
-        hit = cls._varlen_plans.get(key)
-        if hit is not None:
-            return hit
-        if torch.cuda.is_current_stream_capturing():  # (no host-to-device copy inside a capture)
-            return 0, 0
         rounds, table = cls.varlen_unit_plan(spec, host_q, host_k, ctas)
         plan = (cls._tail_table(device, table), rounds) if rounds else (0, 0)
         if not plan[0]:
@@ -1660,7 +1666,10 @@ class FastSm90Forward:
         cu_k = call.cu_seqlens_k.to(torch.int32).contiguous()
         fn, pack, tail, _ = self._entry(spec, q.device)
         sq, sk, sv = q.stride(), k.stride(), v.stride()
-        units = self.varlen_unit_table(spec, cu_q, cu_k, q.device, tail[-1]) if self.paired(spec) else ()
+        # the unit table's fields where the launch memo's schema has them (paired calls; asking
+        # FastSm90Forward.paired again would cost 15-20 us a call)
+        units = (self.varlen_unit_table(spec, cu_q, cu_k, q.device, tail[-1])
+                 if "varlen_unit_table" in pack.__self__.ptr_info else ())
         args = pack(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
                     cu_q.data_ptr(), cu_k.data_ptr(), Tq, k.shape[0], Hq, k.shape[1],
                     spec.batch, max(spec.seqlen_q, 1), sq[0], sq[1], sk[0], sk[1], sv[0], sv[1],
