@@ -520,6 +520,12 @@ def test_varlen_unit_table_fields_and_plan():
     assert names.index("varlen_unit_rounds") == names.index("num_sms") + 2
     for other in (replace(spec, num_heads_kv=4), replace(spec, causal=False)):
         assert "varlen_unit_table" not in FastSm90Forward.arg_schema(other).names
+    # the launch passes the table's fields where the schema has them (_forward_varlen): exactly
+    # the paired calls
+    for other in (spec, replace(spec, num_heads_kv=4), replace(spec, causal=False), replace(spec, seqlen_q=700),
+                  replace(spec, batch=65), replace(spec, head_dim=64, head_dim_v=64), replace(spec, window=(300, 0))):
+        schema = FastSm90Forward.arg_schema(other)
+        assert ("varlen_unit_table" in schema.ptr_info) == FastSm90Forward.paired(other), other
     cu = tuple(sum(lengths[:i]) for i in range(11))
     rounds, table = FastSm90Forward.varlen_unit_plan(spec, cu, cu, 132)
     assert rounds == 8 and len(table) == 8 * 132 and max(table) == len([u for u in table if u >= 0]) - 1
