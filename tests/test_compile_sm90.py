@@ -537,6 +537,12 @@ def test_varlen_unit_table_fields_and_plan():
     even = tuple(1024 * i for i in range(17))
     assert FastSm90Forward.varlen_unit_plan(replace(spec, batch=16, seqlen_q=1024, seqlen_k=1024),
                                             even, even, 132) == (0, [])
+    # past VARLEN_LPT_MAX_UNITS the host does not plan (its time grows with the units)
+    from dualattn.fast.sm90 import VARLEN_LPT_MAX_UNITS
+    long_docs = [8 * 128 * VARLEN_LPT_MAX_UNITS // 16 // 10 + 7 * i for i in range(10)]
+    cu_long = tuple(sum(long_docs[:i]) for i in range(11))
+    assert FastSm90Forward.varlen_unit_plan(replace(spec, seqlen_q=max(long_docs), seqlen_k=max(long_docs)),
+                                            cu_long, cu_long, 132) == (0, [])
     unseen = torch.tensor(cu, dtype=torch.int32)
     assert FastSm90Forward.varlen_unit_table(spec, unseen, unseen, torch.device("cpu"), 132) == (0, 0)
 

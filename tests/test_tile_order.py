@@ -450,6 +450,27 @@ def test_varlen_unit_table_runs_every_tile_once(tiles_per_sequence, num_heads, n
     assert busiest <= sum(costs) / ctas + max(costs, default=0) + 1e-9
 
 
+def test_varlen_paired_unit_costs_follow_the_order_unit_by_unit():
+    """varlen_paired_unit_costs costs one group of heads and repeats it: the same list as costing
+    every unit of the order through pair_of_unit (random block counts, heads, tile costs)."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        tiles = [rng.randint(0, 21) for _ in range(rng.randint(1, 9))]
+        heads = rng.randint(1, 9)
+
+        def cost(seq, m):
+            return 1.5 * seq + m * m + 0.25
+
+        direct = []
+        for seq, n in enumerate(tiles):
+            for r in range(varlen_paired_units([n], heads)):
+                direct.append(sum(cost(seq, m) for second in (0, 1)
+                                  for m, _, valid in [pair_of_unit(r, second, n, heads)] if valid))
+        assert varlen_paired_unit_costs(tiles, heads, cost) == direct
+
+
 def test_varlen_unit_table_balances_the_bench_documents():
     """The bench's 10 documents (hd128, 16 heads, 132 SMs): the static stride's busiest CTA
     carries 1 / 0.968 of the mean, the LPT table's 1 / 0.995 (the figures in

@@ -432,12 +432,24 @@ def varlen_paired_unit_costs(tiles_per_sequence, num_heads, tile_cost):
     (varlen_paired_units): ``tile_cost(sequence, m_block)`` per tile of the unit."""
     costs = []
     for seq, n in enumerate(tiles_per_sequence):
-        for r in range(paired_units(n, num_heads)):
+        units = paired_units(n, num_heads)
+        if units == 0:
+            continue
+        _, heads_per_group, per_group = _pair_groups(n)
+
+        def unit_cost(r):
             work = 0.0
             for second in (0, 1):
                 m_block, _, valid = pair_of_unit(r, second, n, num_heads)
                 work += tile_cost(seq, m_block) if valid else 0.0
-            costs.append(work)
+            return work
+
+        # a unit's work depends on its place in its group of heads only, except in a last,
+        # partly filled group (a lone head's middle unit): one group costed, then repeated
+        group = [unit_cost(r) for r in range(per_group)]
+        whole = num_heads // heads_per_group
+        costs += group * whole
+        costs += [unit_cost(r) for r in range(whole * per_group, units)]
     return costs
 
 
@@ -458,10 +470,11 @@ def lpt_unit_table(costs, num_ctas):
     Host-side, O(units x log CTAs)."""
     heap = [(0.0, c) for c in range(num_ctas)]
     per_cta = [[] for _ in range(num_ctas)]
-    for u in sorted(range(len(costs)), key=lambda u: (-costs[u], u)):
+    replace = heapq.heapreplace
+    for minus_work, u in sorted(zip([-w for w in costs], range(len(costs)))):
         work, c = heap[0]
         per_cta[c].append(u)
-        heapq.heapreplace(heap, (work + costs[u], c))
+        replace(heap, (work - minus_work, c))
     rounds = max((len(r) for r in per_cta), default=0)
     table = [-1] * (rounds * num_ctas)
     for c, r in enumerate(per_cta):

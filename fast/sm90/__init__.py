@@ -216,6 +216,10 @@ SPLIT_TAIL_TILE_OVERHEAD = 1.2  # key blocks' worth of a tile's start and epilog
 # are short (H100, 40 documents in 32k tokens: time 1.101 against the static stride); with 3 the
 # model's time ratios match the measured ones within 0.001-0.016 over ten documents cells
 VARLEN_LPT_TILE_OVERHEAD = 3.0
+# units up to which the launch plans the varlen unit table (host time: about 1 us a unit, once
+# per new set of sequence lengths; 1048 units at the bench's documents cell); beyond, the
+# static stride
+VARLEN_LPT_MAX_UNITS = 16384
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
 
@@ -1528,10 +1532,19 @@ class FastSm90Forward:
             lo = max(m * tile_m + sk - sq - win_left, 0) // tile_n if left else 0
             return max(hi - lo, 0) + overhead
 
-        costs = varlen_paired_unit_costs([-(-n // tile_m) for n in lens_q], spec.num_heads_q, tile_cost)
-        rounds, table, busiest = lpt_unit_table(costs, ctas)
+        tiles = [-(-n // tile_m) for n in lens_q]
+        forced = _VARLEN_LPT_ENV == "1"
+        if not forced and sum(paired_units(n, spec.num_heads_q) for n in tiles) > VARLEN_LPT_MAX_UNITS:
+            return 0, []
+        costs = varlen_paired_unit_costs(tiles, spec.num_heads_q, tile_cost)
         static = max(static_stride_loads(costs, ctas), default=0.0)
-        if _VARLEN_LPT_ENV != "1" and busiest > (1 - SPLIT_TAIL_MIN_GAIN) * static:
+        # no deal carries less than the mean or the heaviest unit: where the static stride is
+        # within the gain of that, the O(units log CTAs) deal is skipped
+        bound = max(sum(costs) / max(ctas, 1), max(costs, default=0.0))
+        if not forced and bound > (1 - SPLIT_TAIL_MIN_GAIN) * static:
+            return 0, []
+        rounds, table, busiest = lpt_unit_table(costs, ctas)
+        if not forced and busiest > (1 - SPLIT_TAIL_MIN_GAIN) * static:
             return 0, []
         return rounds, table
 
