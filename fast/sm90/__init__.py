@@ -1504,8 +1504,8 @@ class FastSm90Forward:
             return 0, 0
         tile_m = cls.config(spec)[0]
         # the kernel's grid (FlashFwdSm90.__call__): min(tiles of the longest sequence, SMs)
-        ctas = min(-(-spec.seqlen_q // tile_m) * spec.num_heads_q * spec.batch, num_sms)
-        rounds, table = cls.varlen_unit_plan(spec, host_q, host_k, ctas)
+        ctas = min(-(-max(spec.seqlen_q, 1) // tile_m) * spec.num_heads_q * spec.batch, num_sms)
+        rounds, table = cls.varlen_unit_plan(spec, host_q, host_k, ctas) if ctas > 0 else (0, [])
         plan = (cls._tail_table(device, table), rounds) if rounds else (0, 0)
         if not plan[0]:
             plan = (0, 0)
