@@ -68,10 +68,9 @@ class ValueCheckMemo:
     def remember_values(self, tensor, values: tuple) -> None:
         """Keep the host copy of a small tensor the checks read back (cu_seqlens), under the same
         identity and version rule, for launches that plan by it (FastSm90Forward.varlen_unit_table)
-        without reading device memory again."""
+        without reading device memory again. Tensors made under torch.inference_mode have no
+        version counter: they are checked, and their copy taken again, on every call."""
         versions = version_counters((tensor,))
-        if versions is None:
-            return
         if len(self._values) >= self._capacity:
             self._values.clear()
         self._values[id(tensor)] = (weakref.ref(tensor), versions, values)

@@ -158,6 +158,12 @@ def test_checked_cu_seqlens_keep_their_host_values_until_changed():
         assert VALUE_CHECK_MEMO.host_values(cu) is None  # nothing read with the checks off
     finally:
         set_value_checks(True)
+    # inference tensors (no version counter) are checked on every call, which takes the copy again
+    with torch.inference_mode():
+        cu_inf = cu.clone()
+        cu_inf[-1] = cu[-1]
+        dualattn.attention_varlen(q, k, v, cu_inf, cu_inf, m, m, impl="torch")
+        assert VALUE_CHECK_MEMO.host_values(cu_inf) == tuple(cu_inf.tolist())
 
 
 def test_unknown_impl():

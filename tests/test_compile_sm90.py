@@ -496,8 +496,9 @@ def test_varlen_paired_order_compiles(d):
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
     # a 5-step inclusive scan in each tile loop and slot bound: the producer's loop and bound,
     # and the consumers' too unless the producer hands them each tile's coordinates
-    # (FastSm90Forward.tile_info)
-    scans = 2 if FastSm90Forward.tile_info(spec) else 4
+    # (FastSm90Forward.tile_info); and one at the kernel's start that checks the launch's unit
+    # table against the units cu_seqlens holds (FlashFwdSm90.valid_unit_table)
+    scans = (2 if FastSm90Forward.tile_info(spec) else 4) + 1
     assert ptx.count("shfl.sync.up") == scans * 5
     assert ptx.count("vote.sync.ballot") == scans
     assert _loops_with(ptx, "wgmma.mma_async") >= 2
@@ -518,6 +519,7 @@ def test_varlen_unit_table_fields_and_plan():
     names = FastSm90Forward.arg_schema(spec).names
     assert names.index("varlen_unit_table") == names.index("num_sms") + 1
     assert names.index("varlen_unit_rounds") == names.index("num_sms") + 2
+    assert names.index("varlen_unit_count") == names.index("num_sms") + 3
     for other in (replace(spec, num_heads_kv=4), replace(spec, causal=False)):
         assert "varlen_unit_table" not in FastSm90Forward.arg_schema(other).names
     # the launch passes the table's fields where the schema has them (_forward_varlen): exactly
@@ -544,7 +546,7 @@ def test_varlen_unit_table_fields_and_plan():
     assert FastSm90Forward.varlen_unit_plan(replace(spec, seqlen_q=max(long_docs), seqlen_k=max(long_docs)),
                                             cu_long, cu_long, 132) == (0, [])
     unseen = torch.tensor(cu, dtype=torch.int32)
-    assert FastSm90Forward.varlen_unit_table(spec, unseen, unseen, torch.device("cpu"), 132) == (0, 0)
+    assert FastSm90Forward.varlen_unit_table(spec, unseen, unseen, torch.device("cpu"), 132) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("width", [16])

@@ -216,8 +216,8 @@ SPLIT_TAIL_TILE_OVERHEAD = 1.2  # key blocks' worth of a tile's start and epilog
 # are short (H100, 40 documents in 32k tokens: time 1.101 against the static stride); with 3 the
 # model's time ratios match the measured ones within 0.001-0.016 over ten documents cells
 VARLEN_LPT_TILE_OVERHEAD = 3.0
-# units up to which the launch plans the varlen unit table (host time: about 1 us a unit, once
-# per new set of sequence lengths; 1048 units at the bench's documents cell); beyond, the
+# units up to which the launch plans the varlen unit table (host time: about 1-2 us a unit,
+# once per new set of sequence lengths; 1048 units at the bench's documents cell); beyond, the
 # static stride
 VARLEN_LPT_MAX_UNITS = 16384
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
@@ -1387,7 +1387,8 @@ class FastSm90Forward:
         fields += [("scale_log2", "f32"), ("win_left", "i32"), ("win_right", "i32"),
                    ("softcap_scale", "f32"), ("softcap", "f32"), ("num_sms", "i32")]
         if spec.mode == "varlen" and FastSm90Forward.paired(spec):  # (FlashFwdSm90.from_packed_varlen)
-            fields += [("varlen_unit_table", ("ptr", cutlass.Int32, 4)), ("varlen_unit_rounds", "i32")]
+            fields += [("varlen_unit_table", ("ptr", cutlass.Int32, 4)), ("varlen_unit_rounds", "i32"),
+                       ("varlen_unit_count", "i32")]
         if FastSm90Forward.split_tail(spec):  # the split tail (FlashFwdSm90.from_packed)
             fields += [("split_tail_groups", "i32"), ("split_tail_table", ("ptr", cutlass.Int32, 4)),
                        ("split_tail_rounds", "i32")]
@@ -1464,51 +1465,66 @@ class FastSm90Forward:
             t = cls._tail_tables.setdefault(key, torch.tensor(table, dtype=torch.int32, device=device))
         return t.data_ptr()
 
-    # varlen unit tables' plans by (spec, device, CTAs, sequence lengths): (table address, rounds)
+    # varlen unit tables' plans by (spec, device, SMs, sequence lengths, knobs): (table address,
+    # rounds, units); the tables on the GPU by (device, contents), never freed (a captured graph
+    # and a remembered launch hold their addresses), at most VARLEN_TABLES of them (a table is
+    # 4 bytes a unit and empty slot: 4-70 KB), then new lengths run the static stride
     _varlen_plans: dict = {}
+    _varlen_tables: dict = {}
+    VARLEN_TABLES = 1024
 
     @classmethod
-    def varlen_unit_table(cls, spec, cu_q, cu_k, device, num_sms: int) -> Tuple[int, int]:
-        """(table address, rounds) of a varlen paired launch (arg_schema's varlen fields), or
-        (0, 0) for the static stride. The static stride hands CTA c units c, c + G, ...; units
-        of sequences of different lengths differ in work, and at the bench's documents cell (10
-        documents of 871-2312 rows, 16 heads, 132 CTAs) its busiest CTA carries 1 / 0.972 of the
-        mean (tile_order model, tiles costed as their key blocks + VARLEN_LPT_TILE_OVERHEAD).
-        The launch instead deals the units longest-processing-time first (tile_order
-        .lpt_unit_table; model: 1 / 0.995), when that lowers the busiest CTA's work by
-        SPLIT_TAIL_MIN_GAIN. H100, bf16, causal documents (bench.doc_lengths), graph A/B
+    def varlen_unit_table(cls, spec, cu_q, cu_k, device, num_sms: int) -> Tuple[int, int, int]:
+        """(table address, rounds, units planned for) of a varlen paired launch (arg_schema's
+        varlen fields), or (0, 0, 0) for the static stride. The static stride hands CTA c units
+        c, c + G, ...; units of sequences of different lengths differ in work, and at the bench's
+        documents cell (10 documents of 871-2312 rows, 16 heads, 132 CTAs) its busiest CTA
+        carries 1 / 0.972 of the mean (tile_order model, tiles costed as their key blocks +
+        VARLEN_LPT_TILE_OVERHEAD). The launch instead deals the units longest-processing-time
+        first (tile_order.lpt_unit_table; model: 1 / 0.995), when that lowers the busiest CTA's
+        work by SPLIT_TAIL_MIN_GAIN. H100, bf16, causal documents (bench.doc_lengths), graph A/B
         (ci/sm90_env_ab.py "_VARLEN_LPT_ENV=0" "" docs:...), time with / without (model):
         hd128 10 documents in 16k, 16 heads 0.980 (0.977); 5 in 16k 0.987 (0.983); 20 in 32k
         0.943 (0.953); 6 in 8k, 32 heads 0.938 (0.939); 40 in 64k, 8 heads 0.910 (0.926); 16 in
         16k 0.892 (0.905); 20 in 16k 0.968 (0.963); 40 in 32k 0.996 (0.988); 10 in 8k, 32 heads
         0.952 (0.962); 14 in 16k 1.001 (1.006: the static stride is kept); hd64 10 in 16k, 32
-        heads 0.987 (docs section 56). It needs the sequence lengths on the host, and reads them only where
-        the value checks already did (spec.VALUE_CHECK_MEMO.host_values: no extra
-        synchronisation); with value checks off, or a cu_seqlens first seen inside a CUDA graph
-        capture, the launch keeps the static stride. DUALATTN_SM90_VARLEN_LPT=0 turns it off,
-        =1 deals by LPT whatever the gain (comparisons, tests)."""
+        heads 0.987 (docs section 56).
+
+        It needs the sequence lengths on the host and reads them only where the value checks
+        already did (spec.VALUE_CHECK_MEMO.host_values: no synchronisation of its own); with value
+        checks off, or lengths first seen inside a CUDA graph capture (no host-to-device copy
+        there), the launch keeps the static stride. A plan can outlive its lengths (a graph
+        replayed after cu_seqlens was updated in place, a write that bypassed torch's version
+        counter): the kernel then counts the units itself and runs the static stride unless the
+        count is the one the table was planned for (FlashFwdSm90.valid_unit_table; with the
+        same count the table is still a permutation of the units, so every unit runs once).
+        DUALATTN_SM90_VARLEN_LPT=0 turns it off, =1 deals by LPT whatever the gain
+        (comparisons, tests)."""
         if _VARLEN_LPT_ENV == "0":
-            return 0, 0
+            return 0, 0, 0
         host_q = VALUE_CHECK_MEMO.host_values(cu_q)
         host_k = host_q if cu_k is cu_q else VALUE_CHECK_MEMO.host_values(cu_k)
         if host_q is None or host_k is None:
-            return 0, 0
+            return 0, 0, 0
         # (the lengths and the spec decide the plan; the spec's rules are asked once, on a miss)
         key = (spec, device.index, num_sms, host_q, host_k, _VARLEN_LPT_ENV, _VARLEN_LPT_OVERHEAD_ENV)
         hit = cls._varlen_plans.get(key)
         if hit is not None:
             return hit
-        if not cls.paired(spec):
-            return 0, 0
-        if torch.cuda.is_current_stream_capturing():  # (no host-to-device copy inside a capture)
-            return 0, 0
+        if not cls.paired(spec) or torch.cuda.is_current_stream_capturing():
+            return 0, 0, 0
         tile_m = cls.config(spec)[0]
-        # the kernel's grid (FlashFwdSm90.__call__): min(tiles of the longest sequence, SMs)
+        # the kernel's grid (FlashFwdSm90.__call__): min(tiles of max_seqlen_q x heads x batch, SMs)
         ctas = min(-(-max(spec.seqlen_q, 1) // tile_m) * spec.num_heads_q * spec.batch, num_sms)
         rounds, table = cls.varlen_unit_plan(spec, host_q, host_k, ctas) if ctas > 0 else (0, [])
-        plan = (cls._tail_table(device, table), rounds) if rounds else (0, 0)
-        if not plan[0]:
-            plan = (0, 0)
+        plan = (0, 0, 0)
+        if rounds:
+            tkey = (device.index, tuple(table))
+            t = cls._varlen_tables.get(tkey)
+            if t is None and len(cls._varlen_tables) < cls.VARLEN_TABLES:
+                t = cls._varlen_tables.setdefault(tkey, torch.tensor(table, dtype=torch.int32, device=device))
+            if t is not None:
+                plan = (t.data_ptr(), rounds, max(table) + 1)  # (every unit is in the table once)
         if len(cls._varlen_plans) >= 1024:  # keys hold lengths: keep it bounded
             cls._varlen_plans.clear()
         cls._varlen_plans[key] = plan

@@ -596,7 +596,8 @@ class FlashFwdSm90:
             grid = (grid_x, 1, 1)
         # varlen stores a sequence's last, partial tile with row-predicated stores (a TMA store
         # writes whole tiles, past the sequence's end into the next one): it also gets the plain
-        # gmem O, as vl[4] (the paired order's unit table and rounds follow: vl[5], vl[6])
+        # gmem O, as vl[4] (the paired order's unit table, its rounds and the unit count it was
+        # planned for follow: vl[5], vl[6], vl[7])
         if const_expr(self.varlen):
             vl = (*vl[:4], mO, *vl[4:])
         self.kernel(
@@ -706,9 +707,10 @@ class FlashFwdSm90:
         vl = (mCuQ, mCuK, max_seqlen_q, batch)
         feat = args.values[25:]
         if const_expr(self.paired):
-            # the launch's unit table and its rounds (0: the static stride; varlen_paired_tile)
-            vl = (*vl, cute.make_tensor(feat[0], cute.make_layout(1 << 30)), feat[1])
-            feat = feat[2:]
+            # the launch's unit table, its rounds (0: the static stride; varlen_paired_tile) and
+            # the unit count it was planned for (checked in the kernel: valid_unit_table)
+            vl = (*vl, cute.make_tensor(feat[0], cute.make_layout(1 << 30)), feat[1], feat[2])
+            feat = feat[3:]
         self.__call__(mQ, mK, mV, mO, mLSE, *args.values[19:25], stream, vl, *self.feature_args(feat))
 
     def _smem_layout(self, shape, stages, band_rows: int = 0):
@@ -736,6 +738,8 @@ class FlashFwdSm90:
         BM, BN, D, Dv = self.tile_m, self.tile_n, self.head_dim, self.head_dim_v
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
+        if const_expr(self.paired and self.varlen):
+            vl = self.valid_unit_table(mQ, vl)
 
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -1146,6 +1150,21 @@ class FlashFwdSm90:
             base = base + cute.arch.shuffle_sync(incl, 31)
             b0 = b0 + 32
         return seq, first, blocks, base
+
+    @cute.jit
+    def valid_unit_table(self, mQ, vl):
+        """``vl`` with the unit table's rounds set to 0 (the static stride) unless the table was
+        planned for as many units as cu_seqlens holds now. The table is a permutation of the
+        units it was planned for, so with the same count every unit still runs once whatever the
+        lengths are; with another count (cu_seqlens written since the plan: a CUDA graph replayed
+        after an in-place update, a write that bypassed torch's version counter) units would be
+        lost or visited twice. Once per thread at the kernel's start, every warp converged (the
+        scan is warp-cooperative)."""
+        units = self.varlen_unit_doc(Int32(1 << 30), vl, cute.size(mQ.shape[2]))[3]
+        rounds = vl[6]
+        if units != vl[7]:
+            rounds = Int32(0)
+        return (*vl[:6], rounds, vl[7])
 
     @cute.jit
     def varlen_paired_tile(self, tile, vl, num_heads):
