@@ -494,11 +494,11 @@ def test_varlen_paired_order_compiles(d):
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
-    # a 5-step inclusive scan in each tile loop and slot bound: the producer's loop and bound,
-    # and the consumers' too unless the producer hands them each tile's coordinates
-    # (FastSm90Forward.tile_info); and one at the kernel's start that checks the launch's unit
-    # table against the units cu_seqlens holds (FlashFwdSm90.valid_unit_table)
-    scans = (2 if FastSm90Forward.tile_info(spec) else 4) + 1
+    # a 5-step inclusive scan in each tile loop: the producer's, and the consumers' too unless
+    # the producer hands them each tile's coordinates (FastSm90Forward.tile_info); and one at the
+    # kernel's start that counts the units for the slot bounds and checks the launch's unit
+    # table against them (FlashFwdSm90.count_units)
+    scans = (1 if FastSm90Forward.tile_info(spec) else 2) + 1
     assert ptx.count("shfl.sync.up") == scans * 5
     assert ptx.count("vote.sync.ballot") == scans
     assert _loops_with(ptx, "wgmma.mma_async") >= 2

@@ -426,7 +426,6 @@ def varlen_paired_tile(tile, num_ctas, tiles_per_sequence, num_heads):
     return 0, len(tiles_per_sequence), 0, False
 
 
-
 def varlen_paired_unit_costs(tiles_per_sequence, num_heads, tile_cost):
     """Modelled work of every unit of the varlen paired order, in the kernel's unit order
     (varlen_paired_units): ``tile_cost(sequence, m_block)`` per tile of the unit."""
@@ -499,6 +498,7 @@ def _slot_of_unit(unit, second, num_ctas):
     """The static order's slot of block ``second`` of ``unit`` (paired_slot's inverse)."""
     k = 2 * (unit // num_ctas) + second
     return k * num_ctas + unit % num_ctas
+
 
 # -- stream-K tail: the grid's last, partly filled round split along the keys -----------------
 #

@@ -1496,7 +1496,7 @@ class FastSm90Forward:
         there), the launch keeps the static stride. A plan can outlive its lengths (a graph
         replayed after cu_seqlens was updated in place, a write that bypassed torch's version
         counter): the kernel then counts the units itself and runs the static stride unless the
-        count is the one the table was planned for (FlashFwdSm90.valid_unit_table; with the
+        count is the one the table was planned for (FlashFwdSm90.count_units; with the
         same count the table is still a permutation of the units, so every unit runs once).
         DUALATTN_SM90_VARLEN_LPT=0 turns it off, =1 deals by LPT whatever the gain
         (comparisons, tests)."""

@@ -708,7 +708,7 @@ class FlashFwdSm90:
         feat = args.values[25:]
         if const_expr(self.paired):
             # the launch's unit table, its rounds (0: the static stride; varlen_paired_tile) and
-            # the unit count it was planned for (checked in the kernel: valid_unit_table)
+            # the unit count it was planned for (checked in the kernel: count_units)
             vl = (*vl, cute.make_tensor(feat[0], cute.make_layout(1 << 30)), feat[1], feat[2])
             feat = feat[3:]
         self.__call__(mQ, mK, mV, mO, mLSE, *args.values[19:25], stream, vl, *self.feature_args(feat))
@@ -739,7 +739,7 @@ class FlashFwdSm90:
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if const_expr(self.paired and self.varlen):
-            vl = self.valid_unit_table(mQ, vl)
+            vl = self.count_units(mQ, vl)
 
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -830,10 +830,11 @@ class FlashFwdSm90:
                 n = n - sk[2] + STREAM_K_PIECES_PER_CTA * cute.arch.grid_dim()[0]
         if const_expr(self.paired and self.varlen):
             gx = cute.arch.grid_dim()[0]
-            n = 2 * gx * vl[6]  # the launch's unit table: its rounds
+            # the launch's unit table: its rounds; else the static stride over the units
+            # (count_units counted them at the kernel's start)
+            n = 2 * gx * vl[6]
             if vl[6] == 0:
-                units = self.varlen_unit_doc(Int32(1 << 30), vl, cute.size(mQ.shape[2]))[3]
-                n = 2 * gx * cute.ceil_div(units, gx)
+                n = 2 * gx * cute.ceil_div(vl[7], gx)
         elif const_expr(self.paired and self.split_tail):
             n = split_tail_slots(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
                                  cute.size(mQ.shape[2]) * cute.size(mQ.shape[3]),
@@ -1152,19 +1153,20 @@ class FlashFwdSm90:
         return seq, first, blocks, base
 
     @cute.jit
-    def valid_unit_table(self, mQ, vl):
-        """``vl`` with the unit table's rounds set to 0 (the static stride) unless the table was
-        planned for as many units as cu_seqlens holds now. The table is a permutation of the
-        units it was planned for, so with the same count every unit still runs once whatever the
-        lengths are; with another count (cu_seqlens written since the plan: a CUDA graph replayed
-        after an in-place update, a write that bypassed torch's version counter) units would be
-        lost or visited twice. Once per thread at the kernel's start, every warp converged (the
-        scan is warp-cooperative)."""
+    def count_units(self, mQ, vl):
+        """``vl`` with vl[7] the units cu_seqlens holds now (the static stride's slot bound,
+        num_slots) and the unit table's rounds (vl[6]) set to 0, the static stride, unless the
+        table was planned for that many units. The table is a permutation of the units it was
+        planned for, so with the same count every unit still runs once whatever the lengths
+        are; with another count (cu_seqlens written since the plan: a CUDA graph replayed after
+        an in-place update, a write that bypassed torch's version counter) units would be lost
+        or visited twice. Once per thread at the kernel's start, every warp converged (the scan
+        is warp-cooperative)."""
         units = self.varlen_unit_doc(Int32(1 << 30), vl, cute.size(mQ.shape[2]))[3]
         rounds = vl[6]
         if units != vl[7]:
             rounds = Int32(0)
-        return (*vl[:6], rounds, vl[7])
+        return (*vl[:6], rounds, units)
 
     @cute.jit
     def varlen_paired_tile(self, tile, vl, num_heads):
