@@ -531,6 +531,12 @@ def test_varlen_unit_table_fields_and_plan():
     cu = tuple(sum(lengths[:i]) for i in range(11))
     rounds, table = FastSm90Forward.varlen_unit_plan(spec, cu, cu, 132)
     assert rounds == 8 and len(table) == 8 * 132 and max(table) == len([u for u in table if u >= 0]) - 1
+    # the launch passes max(table) + 1 as the units planned for; the kernel's count_units
+    # counts paired_units(query blocks, heads_q) over cu_seqlens and runs the static stride on
+    # any other figure, so the two must agree or the table would never run
+    from dualattn.fast.common.tile_order import paired_units
+    tile_m = FastSm90Forward.config(spec)[0]
+    assert max(table) + 1 == sum(paired_units(-(-n // tile_m), spec.num_heads_q) for n in lengths)
     # 14 documents in 16k: LPT's greedy deal models 1.006x the static stride's busiest CTA
     docs14 = doc_lengths(16384, 14)
     cu14 = tuple(sum(docs14[:i]) for i in range(15))
