@@ -1122,12 +1122,14 @@ def test_split_tail_first_launched_inside_a_cuda_graph_capture(tmp_path):
 
 def _run_varlen_table_graph_worker(out_path: str) -> None:
     """A varlen paired call whose launch deals units by a table (FastSm90Forward
-    .varlen_unit_table, forced), captured in a CUDA graph and replayed after its cu_seqlens were
-    rewritten in place: once to lengths with another unit count (the kernel's count_units must
-    see the table no longer fits and run the static stride; a stale table would leave units
-    unrun), once to the same lengths reordered (the same count: the table is still a
-    permutation of the units). O and the LSE are NaN-poisoned before every replay; each replay
-    must pass the oracle for the lengths it ran and equal an eager call on them bit for bit."""
+    .varlen_unit_table, forced; two rounds of the grid), captured in a CUDA graph and replayed
+    after its cu_seqlens were rewritten in place: once to lengths with more units than planned
+    (the kernel's count_units must see the table no longer fits and run the static stride; the
+    stale table would leave the extra units unrun), once to the same lengths reordered (the same
+    count: the table is still a permutation of the units). O and the LSE are NaN-poisoned before
+    every replay; each replay must pass the oracle for the lengths it ran and equal an eager call
+    on them bit for bit. Last, a control that the replays read the table at all: with one entry
+    set to -1 (an empty slot) and the planned lengths back, that unit's rows stay NaN."""
     import dualattn.fast.sm90 as sm90
     from dualattn.accuracy import check_outputs
     from dualattn.dispatch import select
@@ -1135,16 +1137,13 @@ def _run_varlen_table_graph_worker(out_path: str) -> None:
     from dualattn.spec import build_varlen
 
     sm90._VARLEN_LPT_ENV = "1"
-    H, D, BM = 4, 128, 128
+    H, D = 8, 128
     planned = [871, 0, 2312, 1, 1500, 969, 1760]
-    rewrites = {"other-count": [1000, 100, 2000, 100, 1500, 969, 1744],
+    rewrites = {"more-units": [129, 129, 2312, 129, 1500, 1454, 1760],
                 "same-count": [1760, 0, 969, 1, 1500, 2312, 871]}
 
     def cu(lens):
         return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
-
-    def units(lens):
-        return sum(paired_units(-(-n // BM), H) for n in lens)
 
     torch.manual_seed(0)
     total = sum(planned)
@@ -1152,30 +1151,51 @@ def _run_varlen_table_graph_worker(out_path: str) -> None:
     cu_q, cu_k = cu(planned), cu(planned)
     call = build_varlen(q, k, v, cu_q, cu_k, max(planned), max(planned), causal=True, return_lse=True)
     impl = select(call.spec, "fast")
+    tile_m = impl.config(call.spec)[0]
+
+    def units(lens):
+        return sum(paired_units(-(-n // tile_m), H) for n in lens)
+
     rec = {"impl": impl.name, "paired": impl.name == "fast-sm90" and impl.paired(call.spec),
            "units": {"planned": units(planned), **{n: units(l) for n, l in rewrites.items()}}}
     o_planned, lse_planned = impl.forward(call)  # eager: plans the table, loads the kernel
     torch.cuda.synchronize()
-    rec["unit_rounds"] = impl.varlen_unit_table(call.spec, cu_q, cu_k, q.device, sm90._num_sms(q.device))[1]
+    table_ptr, rec["unit_rounds"], _ = impl.varlen_unit_table(call.spec, cu_q, cu_k, q.device,
+                                                              sm90._num_sms(q.device))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o_g, lse_g = impl.forward(call)
-    checks, bitwise = [], True
-    for name, lens in [("planned", planned), *rewrites.items()]:
+
+    def replay(lens):
         cu_q.copy_(cu(lens))
         cu_k.copy_(cu(lens))
         o_g.fill_(float("nan"))
         lse_g.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
+
+    checks, bitwise = [], True
+    for name, lens in [("planned", planned), *rewrites.items()]:
+        replay(lens)
         fresh = build_varlen(q, k, v, cu(lens), cu(lens), max(lens), max(lens), causal=True, return_lse=True)
         o_eager, lse_eager = impl.forward(fresh)
         torch.cuda.synchronize()
         checks += [f"{name}: {c}" for c in check_outputs(fresh, o_g, lse_g) if not c.ok]
-        same = torch.equal(o_g, o_eager) and torch.equal(lse_g.nan_to_num(), lse_eager.nan_to_num())
+        same = torch.equal(o_g, o_eager) and torch.equal(lse_g, lse_eager)
         bitwise = bitwise and same
         if not same:
             checks.append(f"{name}: the replay's bits differ from an eager call's")
+    # the control, last (the table is shared with every launch of these lengths)
+    table = next((t for t in type(impl)._varlen_tables.values() if t.data_ptr() == table_ptr), None)
+    rec["control_rows_left_nan"] = None
+    if table is not None:
+        slot = int((table >= 0).nonzero()[0])
+        kept = table[slot].clone()
+        table[slot] = -1
+        replay(planned)
+        rec["control_rows_left_nan"] = int(o_g.isnan().any(dim=(1, 2)).sum())
+        table[slot] = kept
+        torch.cuda.synchronize()
     rec["checks"], rec["ok"], rec["bitwise"] = checks, not checks, bitwise
     with open(out_path, "w") as f:
         f.write(json.dumps(rec))
@@ -1185,8 +1205,10 @@ def _run_varlen_table_graph_worker(out_path: str) -> None:
 def test_varlen_unit_table_graph_replayed_after_cu_seqlens_rewritten(tmp_path):
     r = _subprocess_record("--varlen-table-graph", tmp_path)
     assert r["impl"] == "fast-sm90" and r["paired"], r
-    assert r["unit_rounds"] > 0, "the host planned no unit table"
-    assert r["units"]["other-count"] != r["units"]["planned"] == r["units"]["same-count"], r["units"]
+    assert r["unit_rounds"] >= 2, "the host planned no unit table of two rounds"
+    assert r["units"]["more-units"] > r["units"]["planned"] == r["units"]["same-count"], r["units"]
+    # a table entry turned into an empty slot left rows unwritten: the replays read the table
+    assert r["control_rows_left_nan"], r["control_rows_left_nan"]
     assert r["ok"], "; ".join(r["checks"])
     assert r["bitwise"]
 
