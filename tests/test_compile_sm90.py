@@ -480,9 +480,9 @@ def test_varlen_compiles_with_masked_store(d, dv, causal):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("d", [64, 128])
 def test_varlen_paired_order_compiles(d):
-    """Varlen causal calls of few, long sequences without GQA run pairs of equal work within each
+    """Varlen causal calls of few, long sequences (GQA or not) run pairs of equal work within each
     sequence: each tile's sequence comes from a warp scan of cu_seqlens (shuffles and a ballot in
-    the producer's and the consumers' tile loops and slot bounds); GQA, short sequences and many
+    the producer's and the consumers' tile loops and slot bounds); short sequences and many
     sequences keep heaviest first in L2 sections (fast/sm90._paired_varlen)."""
     from dualattn.fast.sm90 import PAIRED_VARLEN_MAX_SEQUENCES, PAIRED_VARLEN_MIN_SEQLEN
 
@@ -490,7 +490,8 @@ def test_varlen_paired_order_compiles(d):
     spec = AttentionSpec("varlen", 10, long_seq, long_seq, 8, 8, d, d, torch.bfloat16, "cuda", causal=True,
                          return_lse=True)
     assert FastSm90Forward.paired(spec) and FORWARD.compile_key(spec, 90)[-15] is True
-    for other in (replace(spec, num_heads_kv=2), replace(spec, seqlen_q=long_seq - 1),
+    assert FastSm90Forward.paired(replace(spec, num_heads_kv=2))
+    for other in (replace(spec, seqlen_q=long_seq - 1),
                   replace(spec, batch=PAIRED_VARLEN_MAX_SEQUENCES + 1), replace(spec, causal=False)):
         assert not FastSm90Forward.paired(other)
     ptx = FastSm90Forward().compile_only(spec, arch=90).__ptx__
@@ -520,7 +521,8 @@ def test_varlen_unit_table_fields_and_plan():
     assert names.index("varlen_unit_table") == names.index("num_sms") + 1
     assert names.index("varlen_unit_rounds") == names.index("num_sms") + 2
     assert names.index("varlen_unit_count") == names.index("num_sms") + 3
-    for other in (replace(spec, num_heads_kv=4), replace(spec, causal=False)):
+    assert "varlen_unit_table" in FastSm90Forward.arg_schema(replace(spec, num_heads_kv=4)).names
+    for other in (replace(spec, causal=False),):
         assert "varlen_unit_table" not in FastSm90Forward.arg_schema(other).names
     # the launch passes the table's fields where the schema has them (_forward_varlen): exactly
     # the paired calls

@@ -391,6 +391,12 @@ VARLEN_CASES.append(("varlen-paired-win-d128", [0, 900, 1, 1300, 777], [0, 900, 
 for _lpt in ("1", "0"):
     VARLEN_CASES.append((f"varlen-paired-lpt{_lpt}-d128-causal", [871, 0, 2312, 1, 1500, 969, 1760],
                          [871, 0, 2312, 1, 1500, 1009, 1760], 4, 4, 128, True, {"varlen_lpt": _lpt}))
+# GQA pairs (K/V head = query head // group in every unit), dealt by the table and by the stride
+for _lpt in ("1", "0"):
+    VARLEN_CASES.append((f"varlen-paired-gqa-lpt{_lpt}-d128-causal", [871, 0, 2312, 1, 1500, 969, 1760],
+                         [871, 0, 2312, 1, 1500, 1009, 1760], 8, 2, 128, True, {"varlen_lpt": _lpt}))
+VARLEN_CASES.append(("varlen-paired-gqa-d64-causal", [1600, 1, 0, 2100, 333], [1600, 1, 0, 2140, 333],
+                     6, 2, 64, True, {}))
 VARLEN_CASES.append(("varlen-paired-lpt1-win-d128", [0, 900, 1, 1300, 777], [0, 900, 41, 1380, 777], 4, 4,
                      128, True, {"window": (300, 0), "varlen_lpt": "1"}))
 
