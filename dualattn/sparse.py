@@ -375,3 +375,7 @@ class BlockSparse:
             if not VALUE_CHECK_MEMO.passed(what, *tensors):
                 self.validate()
                 VALUE_CHECK_MEMO.remember(what, *tensors)
+                # the row pointers' host copies, for launches that plan by them
+                # (fast-sm90's block-sparse unit table): read with the checks, kept by the same rule
+                for rowptr in (self.q2k_full.rowptr, self.q2k_mask.rowptr):
+                    VALUE_CHECK_MEMO.remember_values(rowptr, tuple(rowptr.cpu().flatten().tolist()))

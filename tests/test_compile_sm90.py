@@ -556,6 +556,68 @@ def test_varlen_unit_table_fields_and_plan():
     assert FastSm90Forward.varlen_unit_table(spec, unseen, unseen, torch.device("cpu"), 132) == (0, 0, 0)
 
 
+def test_block_sparse_unit_table_fields_and_plan(monkeypatch):
+    """Block-sparse calls on the persistent grid pass a unit table and its rounds after the SM
+    count (FastSm90Forward.csr_table / csr_unit_table). The bench's 25 % pattern (8k, 16 heads,
+    132 SMs) is dealt in 16 rounds, L2 section by section, every unit once, and the busiest CTA
+    models 0.93 or less of the kernel's own order's; a pattern of equal rows keeps the kernel's
+    order (nothing to gain), and so does a CSR whose row pointers the value checks never read."""
+    import dualattn.fast.sm90 as sm90
+    from dualattn.bench import Cell, sparse_states
+    from dualattn.fast.common.tile_order import static_stride_loads
+    from dualattn.sparse import BlockSparse
+
+    spec = AttentionSpec("batched", 2, 8192, 8192, 16, 16, 128, 128, torch.bfloat16, "cuda",
+                         block_size=(128, 128))
+    assert FastSm90Forward.csr_table(spec) and FastSm90Forward.csr_table(replace(spec, causal=True))
+    names = FastSm90Forward.arg_schema(spec).names
+    assert names.index("csr_unit_table") == names.index("num_sms") + 1
+    assert names.index("csr_unit_rounds") == names.index("num_sms") + 2
+    # not where the grid is one CTA per tile (hd256), with key ranges, varlen, or the knob off
+    for other in (replace(spec, head_dim=256, head_dim_v=256), replace(spec, num_key_ranges=1),
+                  replace(spec, mode="varlen"), replace(spec, block_size=None)):
+        assert not FastSm90Forward.csr_table(other), other
+        assert "csr_unit_table" not in FastSm90Forward.arg_schema(other).names
+    monkeypatch.setattr(sm90, "_CSR_LPT_ENV", "0")
+    assert not FastSm90Forward.csr_table(spec)
+    monkeypatch.setattr(sm90, "_CSR_LPT_ENV", "")
+
+    cell = Cell("fwd", "sparse", 2, 8192, 8192, 16, 16, 128, False, density=0.25, dtype=torch.bfloat16)
+    bs = BlockSparse.from_block_states(sparse_states(cell), 128, 128, 8192, 8192)
+    full, mask = (tuple(c.rowptr.flatten().tolist()) for c in (bs.q2k_full, bs.q2k_mask))
+    rounds, table = FastSm90Forward.csr_unit_plan(spec, full, mask, (1, 1), 128, 128, 132)
+    assert rounds == 16 and len(table) == 16 * 132
+    assert sorted(u for u in table if u >= 0) == list(range(32 * 64))
+    counts = [full[m + 1] - full[m] + mask[m + 1] - mask[m] for m in range(64)]
+    costs = [counts[u % 64] + sm90.CSR_LPT_TILE_OVERHEAD for u in range(32 * 64)]
+    loads = [sum(costs[table[k * 132 + c]] for k in range(16) if table[k * 132 + c] >= 0) for c in range(132)]
+    assert max(loads) <= 0.93 * max(static_stride_loads(costs, 132))
+    # L2 sections of 8 heads (4 MB of K and V a head at 8k, 32 MB a section): a CTA's units come
+    # section by section
+    for c in range(132):
+        secs = [table[k * 132 + c] // 64 // 8 for k in range(16) if table[k * 132 + c] >= 0]
+        assert secs == sorted(secs)
+    # every row the same: the kernel's order is as good
+    even = tuple(range(0, 65 * 16, 16))
+    assert FastSm90Forward.csr_unit_plan(spec, even, tuple([0] * 65), (1, 1), 128, 128, 132) == (0, [])
+    # per-head row pointers (B', H' = B, H) and CSR blocks of 256 rows (two tiles a row): row r
+    # of head bh lists (bh % 5) * 2 + r % 3 blocks
+    per_head = []
+    for bh in range(32):
+        per_head += [sum((bh % 5) * 2 + r % 3 for r in range(n)) for n in range(33)]
+    rounds, table = FastSm90Forward.csr_unit_plan(replace(spec, block_size=(256, 128)), tuple(per_head),
+                                                  tuple([0] * 33 * 32), (2, 16), 256, 128, 132)
+    assert rounds == 16 and sorted(u for u in table if u >= 0) == list(range(32 * 64))
+    heavy = [u for u in table[:132] if u >= 0]  # the first round: the heaviest heads' units
+    assert all(((u // 64) % 5, (u % 64) // 2 % 3) in ((4, 2), (4, 1), (4, 0), (3, 2)) for u in heavy[:20])
+    # the launch's path: host copies kept by the value checks, then one plan per pattern
+    dev = torch.device("cpu")
+    assert FastSm90Forward.csr_unit_table(spec, bs, dev, 132) == (0, 0)  # never checked: no copy
+    bs.check_compatible(2, 16, 8192, 8192, validate_values=True, exact_lengths=True)
+    ptr, rounds = FastSm90Forward.csr_unit_table(spec, bs, dev, 132)
+    assert ptr and rounds == 16 and FastSm90Forward.csr_unit_table(spec, bs, dev, 132) == (ptr, rounds)
+
+
 @pytest.mark.parametrize("width", [16])
 def test_varlen_o_store_threads_tile_exactly(width):
     """The (rows, threads per row) split of the varlen O store tiles 128 x Dv exactly."""
@@ -703,7 +765,10 @@ def test_dense_compile_key_unchanged_by_features():
     assert base[0] == "sm90_fwd"
     assert FORWARD.compile_key(_spec(num_key_ranges=2), 90)[0] == "sm90_fwd_kr2"
     assert FORWARD.compile_key(_spec(num_key_ranges=2), 90) != FORWARD.compile_key(_spec(num_key_ranges=3), 90)
-    assert FORWARD.compile_key(_spec(block_size=(128, 128)), 90)[0] == "sm90_fwd_bs"
+    # a CSR on the persistent grid takes its tiles from the launch's table (csr_table), one
+    # per tile does not (hd256)
+    assert FORWARD.compile_key(_spec(block_size=(128, 128)), 90)[0] == "sm90_fwd_bs_table"
+    assert FORWARD.compile_key(_spec(256, block_size=(128, 128)), 90)[0] == "sm90_fwd_bs"
 
 
 @pytest.mark.compile_only

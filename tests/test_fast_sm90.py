@@ -515,6 +515,31 @@ def _bs_exact_case(window, D, causal=True):
     FEATURE_CASES.append((f"bs-exact-win{window[0]}_{window[1]}-d{D}", make))
 
 
+def _bs_table_case(name, B, Sq, Sk, H, Hkv, D, causal, num_sms, per_head=True):
+    """A block-sparse call dealt by the launch's unit table (FastSm90Forward.csr_unit_table),
+    forced on (DUALATTN_SM90_CSR_LPT=1) on a grid of ``num_sms`` CTAs, so that CTAs run several
+    units and the table has empty slots (-1). Query blocks of very uneven counts (row m keeps
+    about m / nq of its key blocks); the case fails unless the host planned a table."""
+    def make(seed):
+        from dualattn.sparse import BlockSparse
+        from dualattn.spec import build_dense
+        nq, nk = -(-Sq // 128), -(-Sk // 128)
+        g = torch.Generator().manual_seed(seed)
+        keep = torch.rand((B, H, nq, nk) if per_head else (1, 1, nq, nk), generator=g)
+        keep = keep < (torch.arange(nq) + 1).view(-1, 1) / nq
+        states = keep.to(torch.int8) * torch.randint(1, 3, keep.shape, generator=g, dtype=torch.int8)
+        bs = BlockSparse.from_block_states(states.to(DEVICE), 128, 128, Sq, Sk)
+        return build_dense(*_qkv(B, Sq, Sk, H, Hkv, D), causal=causal, block_sparse=bs,
+                           return_lse=True), None
+    make.knobs = {"_CSR_LPT_ENV": "1", "_NUM_SMS_ENV": str(num_sms)}
+    FEATURE_CASES.append((f"bstable-{name}-sms{num_sms}-d{D}{'-causal' if causal else ''}", make))
+
+
+for _c in (False, True):
+    _bs_table_case("random", 2, 1000, 1100, 4, 2, 128, _c, 9)
+_bs_table_case("shared", 1, 2000, 777, 3, 3, 64, False, 7, per_head=False)
+
+
 _bs_exact_case((-1, -1), 128)
 _bs_exact_case((256, 0), 128)
 _bs_exact_case((100, 50), 64, causal=False)
@@ -556,11 +581,23 @@ def _run_feature_case(f, name, make):
     from dualattn.accuracy import check_outputs
     from dualattn.dispatch import select
 
+    import dualattn.fast.sm90 as sm90
+
     rec = {"name": name}
+    # module knobs the case sets for its run (_bs_table_case), restored after; the launch memo
+    # (per spec and device) would otherwise hand it another case's SM count and plan
+    knobs = getattr(make, "knobs", {})
+    saved = {k: getattr(sm90, k) for k in knobs}
+    for k, v in knobs.items():
+        setattr(sm90, k, v)
+    sm90.FORWARD._entries.clear()
     try:
         call, ref_call = make(sum(map(ord, name)))
         impl = select(call.spec, "fast")
         rec["impl"] = impl.name
+        if impl.name == "fast-sm90" and impl.csr_table(call.spec):
+            rec["csr_rounds"] = impl.csr_unit_table(call.spec, call.block_sparse, call.q.device,
+                                                    sm90._num_sms(call.q.device))[1]
         outs = []
         for _ in range(2):
             call.extra["out"] = torch.full_like(call.q[..., :call.spec.head_dim_v], float("nan"))
@@ -587,6 +624,10 @@ def _run_feature_case(f, name, make):
                               and torch.equal(outs[0][1].nan_to_num(), outs[1][1].nan_to_num()))
     except Exception as e:
         rec["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        for k, v in saved.items():
+            setattr(sm90, k, v)
+        sm90.FORWARD._entries.clear()
     f.write(json.dumps(rec) + "\n")
     f.flush()
 
@@ -865,6 +906,8 @@ def _check_case_record(name: str, r: dict) -> None:
         assert r["tile_m"] == 128, "hd64 non-causal tiles that fit one round: 2 warpgroups"
     if name.startswith("narrowlast-"):  # the left edge's narrow step reached the kernel (or not)
         assert r["narrow_last"] is ("-narrow_last0-" not in name)
+    if name.startswith("bstable-"):  # the launch dealt the tiles by its table
+        assert r.get("csr_rounds", 0) > 0, "the host planned no block-sparse unit table"
     if name.startswith("splittail-"):  # the tail order the case names reached the kernel
         assert r["split_tail"] is not name.startswith("splittail-off")
         assert (r["split_groups"] > 0) is not name.startswith("splittail-off")

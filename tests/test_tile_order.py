@@ -765,3 +765,25 @@ def test_window_order_balances_window_work(seqlen, batch, win_left):
         m, _, valid = paired_tile(t, sms, nm, bh)
         paired[t % sms] += cost(m) if valid else 0.0
     assert mean / max(work) >= 0.94 and max(work) < max(paired)
+
+
+@pytest.mark.parametrize("units, sections_of, num_ctas", [(2048, 512, 132), (64, 16, 9), (48, 48, 7), (5, 2, 8)])
+def test_lpt_unit_table_deals_sections_one_after_another(units, sections_of, num_ctas):
+    """lpt_unit_table with sections (the block-sparse unit table's L2 sections of heads): every
+    unit once, each CTA's units section by section and heaviest first within one, and the
+    busiest CTA still within LPT's bound (the mean plus one unit)."""
+    import random
+
+    rng = random.Random(units)
+    costs = [rng.randint(8, 26) + 1.5 for _ in range(units)]
+    sections = [u // sections_of for u in range(units)]
+    ctas = min(units, num_ctas)
+    rounds, table, busiest = lpt_unit_table(costs, ctas, sections)
+    assert len(table) == rounds * ctas and sorted(u for u in table if u >= 0) == list(range(units))
+    for c in range(ctas):
+        mine = [table[k * ctas + c] for k in range(rounds) if table[k * ctas + c] >= 0]
+        # a CTA's units come in table order with no gap (its -1 slots are its last)
+        assert all(table[k * ctas + c] < 0 for k in range(len(mine), rounds))
+        keys = [(sections[u], -costs[u]) for u in mine]
+        assert keys == sorted(keys)
+    assert busiest <= sum(costs) / ctas + max(costs) + 1e-9

@@ -460,17 +460,22 @@ def static_stride_loads(costs, num_ctas):
     return loads
 
 
-def lpt_unit_table(costs, num_ctas):
+def lpt_unit_table(costs, num_ctas, sections=None):
     """(rounds, table, busiest CTA's modelled work) of units dealt longest-processing-time first:
     each unit, heaviest first (ties: the lower unit, so a sequence's units stay together), to
     the CTA with the least work so far (ties: the lower CTA). ``table[k * num_ctas + c]`` is CTA
     c's k-th unit, -1 past its last; every CTA's units come heaviest first, so the grid's k-th
-    round runs units of about one weight together, as the static stride's rounds do.
-    Host-side, O(units x log CTAs)."""
+    round runs units of about one weight together, as the static stride's rounds do. With
+    ``sections`` (a section number per unit) the sections are dealt one after another, each
+    heaviest first, onto the loads the earlier ones left: the CTAs then run one section's units
+    at about the same time (heads whose K / V fit in L2 together), and the busiest CTA's work
+    stays that of one deal. Host-side, O(units x log CTAs)."""
     heap = [(0.0, c) for c in range(num_ctas)]
     per_cta = [[] for _ in range(num_ctas)]
     replace = heapq.heapreplace
-    for minus_work, u in sorted(zip([-w for w in costs], range(len(costs)))):
+    order = ([(0, -w, u) for u, w in enumerate(costs)] if sections is None
+             else [(sec, -w, u) for u, (w, sec) in enumerate(zip(costs, sections))])
+    for _, minus_work, u in sorted(order):
         work, c = heap[0]
         per_cta[c].append(u)
         replace(heap, (work - minus_work, c))

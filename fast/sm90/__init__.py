@@ -36,7 +36,7 @@ from dualattn.fast.common.tile_order import (L2_SECTION_BYTES, SPLIT_MIN_PIECE_K
                                               stream_k_tiles, split_pieces, stream_k_grid,
                                               SPLIT_MAX_PIECES, WAVE_CALL_BLOCKS, WAVE_PIECE_BLOCKS,
                                               WAVE_TILE_BLOCKS, lpt_unit_table, static_stride_loads,
-                                              varlen_paired_unit_costs)
+                                              varlen_paired_unit_costs, heavy_first_in_sections)
 from dualattn.fast.common.launch_args import (BoundLaunch, DirectLauncher, current_device_index,
                                               current_stream_handle, empty_f32, empty_output)
 
@@ -62,6 +62,7 @@ _WG_KEY_BOUND_ENV = os.environ.get("DUALATTN_SM90_WG_KEY_BOUND", "")  # see Fast
 _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forward.stream_k
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
 _VARLEN_LPT_ENV = os.environ.get("DUALATTN_SM90_VARLEN_LPT", "")  # see .varlen_unit_table
+_CSR_LPT_ENV = os.environ.get("DUALATTN_SM90_CSR_LPT", "")  # see FastSm90Forward.csr_table
 # the modelled tile overhead of the varlen unit table (comparisons; VARLEN_LPT_TILE_OVERHEAD)
 _VARLEN_LPT_OVERHEAD_ENV = os.environ.get("DUALATTN_SM90_VARLEN_LPT_OVERHEAD", "")
 # a fixed count of tail groups (comparisons; see FastSm90Forward.split_tail_schedule)
@@ -220,6 +221,11 @@ VARLEN_LPT_TILE_OVERHEAD = 3.0
 # once per new set of sequence lengths; 1048 units at the bench's documents cell); beyond, the
 # static stride
 VARLEN_LPT_MAX_UNITS = 16384
+# the block-sparse unit table (csr_unit_plan): a tile's start and epilogue in key blocks (the
+# persistent grid's per-tile cost, docs section 35: 1.4-1.7), and the units up to which the
+# launch plans it (once per pattern; beyond, the kernel's own order)
+CSR_LPT_TILE_OVERHEAD = 1.5
+CSR_LPT_MAX_UNITS = 32768
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
 
@@ -834,6 +840,7 @@ class FastSm90Forward:
         # key ranges (R) and block-sparse change the generated code; dense keys stay as they were
         name += f"_kr{spec.num_key_ranges}" if spec.has_key_ranges else ""
         name += "_bs" if spec.has_block_sparse else ""
+        name += "_table" if self.csr_table(spec) else ""  # its tiles from a launch table (csr_table)
         name += "" if self.writes_lse(spec) else "_nolse"
         g = self.pack_gqa(spec)
         name += f"_pack{g}" if g > 1 else ""
@@ -1162,6 +1169,23 @@ class FastSm90Forward:
                 and not cls.stream_k(spec) and _SPLIT_TAIL_ENV != "0")
 
     @classmethod
+    def csr_table(cls, spec) -> bool:
+        """Block-sparse calls on the persistent grid take their tiles from a launch table
+        (csr_unit_table): a CSR's query blocks visit different numbers of key blocks, and the
+        static stride hands each CTA whatever its slots hold (the bench's 25 % pattern at 8k:
+        8-26 blocks a tile, the busiest CTA modelled 9 % above the mean), where the table deals
+        them longest-processing-time first within L2 sections of heads. Batched calls of one
+        query head per row (no packed GQA rows, no end alignment: a tile is a CSR query block's
+        128 rows). The kernel keeps its own order where the launch has no plan (no host copy of
+        the row pointers, a first call inside a graph capture, or a gain under 1 %).
+        DUALATTN_SM90_CSR_LPT=0 turns it off, =1 deals by the table whatever the gain."""
+        return (_CSR_LPT_ENV != "0" and spec.mode == "batched" and spec.has_block_sparse
+                and cls.config(spec)[5] and not (cls.paired(spec) or cls.stream_k(spec)
+                                                  or cls.window_order(spec) or cls.key_split(spec)
+                                                  or cls.end_aligned(spec))
+                and cls.pack_gqa(spec) == 1)
+
+    @classmethod
     def split_tail_schedule(cls, spec, num_sms: int) -> Tuple[int, int, list]:
         """(groups of heads split, tail rounds, tail table) of the launch (tile_order.split_tail_plan):
         the tail's tiles go to the CTAs longest-processing-time first or in a snake, against
@@ -1368,7 +1392,7 @@ class FastSm90Forward:
                             narrow_last=self.narrow_last(spec), key_split=self.key_split(spec),
                             merge_live_rows=self.merge_live_rows(spec),
                             merge_batch=self.merge_batch(spec), end_aligned=self.end_aligned(spec),
-                            lse_after_o=self.lse_after_o(spec))
+                            lse_after_o=self.lse_after_o(spec), csr_table=self.csr_table(spec))
 
     @staticmethod
     def arg_schema(spec):
@@ -1395,6 +1419,8 @@ class FastSm90Forward:
         if FastSm90Forward.split_tail(spec):  # the split tail (FlashFwdSm90.from_packed)
             fields += [("split_tail_groups", "i32"), ("split_tail_table", ("ptr", cutlass.Int32, 4)),
                        ("split_tail_rounds", "i32")]
+        if FastSm90Forward.csr_table(spec):  # the block-sparse unit table (FlashFwdSm90.from_packed)
+            fields += [("csr_unit_table", ("ptr", cutlass.Int32, 4)), ("csr_unit_rounds", "i32")]
         # feature fields (FlashFwdSm90.feature_args): flat int32 arrays + element strides
         if spec.has_key_ranges:
             fields += [("key_ranges", ("ptr", cutlass.Int32, 8)), ("kr_sb", "i32"), ("kr_sh", "i32")]
@@ -1459,14 +1485,7 @@ class FastSm90Forward:
         """Device address of a split tail's table on ``device``, made once per table (keyed by
         its contents: knobs change the plan of one spec), 0 once TAIL_TABLES tables are made.
         Not called inside a graph capture (scalar_fields)."""
-        key = (device.index, tuple(table))
-        t = cls._tail_tables.get(key)
-        if t is None:
-            if len(cls._tail_tables) >= cls.TAIL_TABLES:
-                return 0
-            # (setdefault: two threads making the same table keep one, and both use it)
-            t = cls._tail_tables.setdefault(key, torch.tensor(table, dtype=torch.int32, device=device))
-        return t.data_ptr()
+        return _table_on_device(cls._tail_tables, cls.TAIL_TABLES, device, table)
 
     # varlen unit tables' plans by (spec, device, SMs, sequence lengths, knobs): (table address,
     # rounds, units); the tables on the GPU by (device, contents), never freed (a captured graph
@@ -1522,12 +1541,9 @@ class FastSm90Forward:
         rounds, table = cls.varlen_unit_plan(spec, host_q, host_k, ctas) if ctas > 0 else (0, [])
         plan = (0, 0, 0)
         if rounds:
-            tkey = (device.index, tuple(table))
-            t = cls._varlen_tables.get(tkey)
-            if t is None and len(cls._varlen_tables) < cls.VARLEN_TABLES:
-                t = cls._varlen_tables.setdefault(tkey, torch.tensor(table, dtype=torch.int32, device=device))
-            if t is not None:
-                plan = (t.data_ptr(), rounds, max(table) + 1)  # (every unit is in the table once)
+            ptr = _table_on_device(cls._varlen_tables, cls.VARLEN_TABLES, device, table)
+            if ptr:
+                plan = (ptr, rounds, max(table) + 1)  # (every unit is in the table once)
         if len(cls._varlen_plans) >= 1024:  # keys hold lengths: keep it bounded
             cls._varlen_plans.clear()
         cls._varlen_plans[key] = plan
@@ -1566,6 +1582,89 @@ class FastSm90Forward:
         if not forced and busiest > (1 - SPLIT_TAIL_MIN_GAIN) * static:
             return 0, []
         return rounds, table
+
+    # block-sparse unit tables' plans by (spec, device, SMs, the row pointers' host copies by
+    # identity, knobs): ((table address, rounds), the copies, which the entry holds so that their
+    # ids stay theirs); the tables on the GPU by (device, contents), never freed, at most
+    # CSR_TABLES (4 bytes a unit and empty slot), then new patterns run the kernel's own order.
+    # A plan only orders the spec's units: one made for other values of the pattern is slower,
+    # never wrong.
+    _csr_plans: dict = {}
+    _csr_tables: dict = {}
+    CSR_TABLES = 1024
+
+    @classmethod
+    def csr_unit_table(cls, spec, bs, device, num_sms: int) -> Tuple[int, int]:
+        """(table address, rounds) of a block-sparse call's launch (csr_table), (0, 0) for the
+        kernel's own order. Planned from the host copies of the CSR's row pointers that the value
+        checks keep (BlockSparse.check_compatible), once per pattern."""
+        if _CSR_LPT_ENV == "0":
+            return 0, 0
+        full = VALUE_CHECK_MEMO.host_values(bs.q2k_full.rowptr)
+        mask = VALUE_CHECK_MEMO.host_values(bs.q2k_mask.rowptr)
+        if full is None or mask is None:
+            return 0, 0
+        key = (spec, device.index, num_sms, id(full), id(mask), bs.block_m, bs.block_n, _CSR_LPT_ENV)
+        hit = cls._csr_plans.get(key)
+        if hit is not None:
+            return hit[0]
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return 0, 0
+        rows = tuple(bs.q2k_full.rowptr.shape[:2])
+        rounds, table = cls.csr_unit_plan(spec, full, mask, rows, bs.block_m, bs.block_n, num_sms)
+        ptr = _table_on_device(cls._csr_tables, cls.CSR_TABLES, device, table) if rounds else 0
+        if len(cls._csr_plans) >= 1024:
+            cls._csr_plans.clear()
+        cls._csr_plans[key] = ((ptr, rounds) if ptr else (0, 0), full, mask)
+        return cls._csr_plans[key][0]
+
+    @classmethod
+    def csr_unit_plan(cls, spec, full, mask, rows, block_m: int, block_n: int, num_sms: int) -> Tuple[int, list]:
+        """(rounds, table) of csr_unit_table, (0, []) for the kernel's own order. ``full`` and
+        ``mask``: the flat row pointers of shape (B' (1 or batch), H' (1 or heads), query blocks
+        + 1) = ``rows`` + (nq + 1,). Unit bh * num_m_blocks + m (FlashFwdSm90.tile_coords) costs
+        its CSR row's entries times the kernel's key blocks per CSR block, plus
+        CSR_LPT_TILE_OVERHEAD (causal limits and the key tail are left out of the model); the
+        sections are the L2 sections of the causal order (heads_per_section)."""
+        tile_m, tile_n = cls.config(spec)[:2]
+        nm = -(-max(spec.seqlen_q, 1) // tile_m)
+        hb = spec.batch * spec.num_heads_q
+        units = nm * hb
+        ctas = min(units, num_sms)
+        forced = _CSR_LPT_ENV == "1"
+        if ctas <= 0 or (units > CSR_LPT_MAX_UNITS and not forced):
+            return 0, []
+        nq = -(-max(spec.seqlen_q, 1) // block_m)
+        ratio_m, ratio_n = block_m // tile_m, block_n // tile_n
+        bp, hp = rows
+        stride_b, stride_h = (hp * (nq + 1) if bp > 1 else 0), ((nq + 1) if hp > 1 else 0)
+        costs = []
+        for bh in range(hb):
+            base = (bh // spec.num_heads_q) * stride_b + (bh % spec.num_heads_q) * stride_h
+            for m in range(nm):
+                r = base + m // ratio_m
+                costs.append(ratio_n * (full[r + 1] - full[r] + mask[r + 1] - mask[r]) + CSR_LPT_TILE_OVERHEAD)
+        kv_row_bytes = (spec.head_dim + spec.head_dim_v) * spec.dtype.itemsize
+        section = min(heads_per_section(max(spec.seqlen_k, 1), kv_row_bytes, max)
+                      * (spec.num_heads_q // spec.num_heads_kv), hb)
+        static = max(static_stride_loads(cls._own_order_costs(spec, costs, nm, hb, section), ctas))
+        rounds, table, busiest = lpt_unit_table(costs, ctas, [u // nm // section for u in range(units)])
+        if not forced and busiest > (1 - SPLIT_TAIL_MIN_GAIN) * static:
+            return 0, []
+        return rounds, table
+
+    @classmethod
+    def _own_order_costs(cls, spec, costs, nm: int, hb: int, section: int) -> list:
+        """``costs`` (by unit bh * nm + m) in the kernel's own slot order without a table
+        (FlashFwdSm90.tile_coords): query block fastest, or causal / right-bounded heaviest
+        first in L2 sections (the turned order's rotation left out)."""
+        if not (spec.causal or spec.window[1] >= 0):
+            return costs
+        order = []
+        for t in range(nm * hb):
+            m, bh = heavy_first_in_sections(t, nm, hb, section, min)
+            order.append(costs[bh * nm + m])
+        return order
 
     @staticmethod
     def runtime_scalars(spec):
@@ -1725,6 +1824,8 @@ class FastSm90Forward:
             return self._no_keys(out, lse, True)
         fn, pack, tail, sk_plan = self._entry(spec, q.device)
         feat = self.feature_values(call) if (spec.has_key_ranges or spec.has_block_sparse) else ()
+        if "csr_unit_table" in pack.__self__.ptr_info:  # (the launch memo's schema: csr_table)
+            feat = (*self.csr_unit_table(spec, call.block_sparse, q.device, tail[-1]), *feat)
         if sk_plan is not None:
             feat = self.stream_k_fields(spec, q.device, sk_plan)
         _launch(fn, self.pack_args(pack, tail, q, k, v, out, lse, feat), q.device)
@@ -1767,6 +1868,20 @@ class FastSm90Forward:
             _launch(bound, (qp, kp, vp, out.data_ptr(), 0 if lse is None else lse.data_ptr()), device)
             return out, lse
         return run
+
+
+def _table_on_device(store: dict, capacity: int, device, table) -> int:
+    """Device address of ``table`` (int32) on ``device``, made once per contents in ``store``
+    (never freed: a captured CUDA graph and a remembered launch hold the address, not the
+    tensor), 0 once ``store`` holds ``capacity`` tables. Not called inside a graph capture."""
+    key = (device.index, tuple(table))
+    t = store.get(key)
+    if t is None:
+        if len(store) >= capacity:
+            return 0
+        # (setdefault: two threads making the same table keep one, and both use it)
+        t = store.setdefault(key, torch.tensor(table, dtype=torch.int32, device=device))
+    return t.data_ptr()
 
 
 def _launch(fn, args, device) -> None:

@@ -237,7 +237,7 @@ class FlashFwdSm90:
                  stmatrix_o: bool = False, warp_store_o: bool = False, l2_hints: bool = False,
                  window_order: bool = False, narrow_last: bool = False, key_split: bool = False,
                  merge_live_rows: bool = False, merge_batch: int = 1, end_aligned: bool = False,
-                 lse_after_o: bool = False):
+                 lse_after_o: bool = False, csr_table: bool = False):
         self.dtype = dtype
         # diagnostics (ci/phase_trace.py): each consumer warpgroup writes stamps of its phases in
         # every tile (the SM clock, TRACE_SLOTS) into the first 11 of its rows of the LSE buffer,
@@ -355,6 +355,13 @@ class FlashFwdSm90:
         # passes sk = (groups of heads, 0 for none; the table of tail tiles; its rounds))
         assert not split_tail or (paired and not (varlen or stream_k))
         self.split_tail = split_tail
+        # block-sparse tiles on the persistent grid dealt by a launch table of (batch x head,
+        # query block) units, longest-processing-time first within L2 sections of heads
+        # (FastSm90Forward.csr_unit_table; the launch passes sk = (table, rounds), rounds 0 for
+        # the kernel's own order): a CSR's query blocks differ in their key-block counts
+        assert not csr_table or (block_sparse and persistent and not (paired or varlen or stream_k
+                                                                       or pack_gqa > 1))
+        self.csr_table = csr_table
         # varlen causal / right-bounded tiles heaviest first within L2 sections of (sequence,
         # head) pairs, as batched calls (FastSm90Forward.varlen_sections decides); off: heaviest
         # first across all sequences and heads at once
@@ -607,7 +614,7 @@ class FlashFwdSm90:
             *((vl,) if const_expr(self.varlen) else ()),
             **({"kr": kr} if const_expr(self.num_key_ranges > 0) else {}),
             **({"bs": bs} if const_expr(self.block_sparse) else {}),
-            **({"sk": sk} if const_expr(self.stream_k or self.split_tail) else {}),
+            **({"sk": sk} if const_expr(self.stream_k or self.split_tail or self.csr_table) else {}),
         ).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
                  smem=SharedStorage.size_in_bytes())
 
@@ -654,6 +661,10 @@ class FlashFwdSm90:
         if const_expr(self.split_tail):  # the tail's groups of heads, table and rounds follow num_sms
             sk = (vals[25], cute.make_tensor(vals[26], cute.make_layout(1 << 30)), vals[27])
             self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None, sk=sk)
+        elif const_expr(self.csr_table):  # the unit table and its rounds follow num_sms
+            kr, bs, _ = self.feature_args(vals[27:])
+            sk = (cute.make_tensor(vals[25], cute.make_layout(1 << 30)), vals[26])
+            self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None, kr, bs, sk)
         else:
             self.__call__(mQ, mK, mV, mO, mLSE, *vals[19:25], stream, None,
                           *self.feature_args(vals[25:]))
@@ -841,6 +852,9 @@ class FlashFwdSm90:
                                  cute.arch.grid_dim()[0], sk[0], sk[2], cutlass.min)
         elif const_expr(self.window_order):
             n = window_order_slots(n, cute.arch.grid_dim()[0])
+        elif const_expr(self.csr_table):
+            if sk[1] > 0:  # the launch's unit table: its rounds of the grid
+                n = cute.arch.grid_dim()[0] * sk[1]
         elif const_expr(self.paired):
             gx = cute.arch.grid_dim()[0]
             units = paired_units(cute.ceil_div(cute.size(mQ.shape[0]), self.tile_m),
@@ -1008,7 +1022,8 @@ class FlashFwdSm90:
         total work, one pair per CTA at a time (tile_order.paired_tile). ``placed``: the
         (m_block, batch * heads + head, active) of the tile when the caller has placed it
         (paired_item_coords) instead of a linear index. ``split``: (tail groups, tail table, tail
-        rounds) of the paired order with its tail split (split_tail).
+        rounds) of the paired order with its tail split (split_tail), or (unit table, rounds) of a
+        block-sparse call's units (csr_table; rounds 0: the kernel's own order).
         """
         BM, BN = self.tile_m, self.tile_n
         seqlen_q = self.q_rows(mQ)  # g * Sq rows with pack_gqa
@@ -1061,6 +1076,16 @@ class FlashFwdSm90:
             else:
                 m_block, rest = self.heavy_first_in_l2_sections(tile, num_m_blocks, hb, num_heads,
                                                                 seqlen_k, mK, vl)
+        if const_expr(self.csr_table):
+            # (after the order's own decode, which it replaces where the launch planned a table)
+            # the launch's table names slot ``tile``'s unit, bh * num_m_blocks + m_block; -1:
+            # past this CTA's last unit (tile_order.lpt_unit_table)
+            if split[1] > 0:
+                unit = split[0][tile]
+                active = unit >= 0
+                unit = cutlass.max(unit, 0)
+                m_block = unit % num_m_blocks
+                rest = unit // num_m_blocks
         head = rest % num_heads
         batch = rest // num_heads
         offset_q = Int32(0)
