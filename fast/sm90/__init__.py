@@ -63,6 +63,8 @@ _STREAM_K_ENV = os.environ.get("DUALATTN_SM90_STREAM_K", "")  # see FastSm90Forw
 _SPLIT_TAIL_ENV = os.environ.get("DUALATTN_SM90_SPLIT_TAIL", "")  # see FastSm90Forward.split_tail
 _VARLEN_LPT_ENV = os.environ.get("DUALATTN_SM90_VARLEN_LPT", "")  # see .varlen_unit_table
 _CSR_LPT_ENV = os.environ.get("DUALATTN_SM90_CSR_LPT", "")  # see FastSm90Forward.csr_table
+# the K + V bytes of a section of the block-sparse unit table (comparisons; csr_unit_plan)
+_CSR_LPT_SECTION_ENV = os.environ.get("DUALATTN_SM90_CSR_LPT_SECTION_BYTES", "")
 # the modelled tile overhead of the varlen unit table (comparisons; VARLEN_LPT_TILE_OVERHEAD)
 _VARLEN_LPT_OVERHEAD_ENV = os.environ.get("DUALATTN_SM90_VARLEN_LPT_OVERHEAD", "")
 # a fixed count of tail groups (comparisons; see FastSm90Forward.split_tail_schedule)
@@ -1604,7 +1606,8 @@ class FastSm90Forward:
         mask = VALUE_CHECK_MEMO.host_values(bs.q2k_mask.rowptr)
         if full is None or mask is None:
             return 0, 0
-        key = (spec, device.index, num_sms, id(full), id(mask), bs.block_m, bs.block_n, _CSR_LPT_ENV)
+        key = (spec, device.index, num_sms, id(full), id(mask), bs.block_m, bs.block_n, _CSR_LPT_ENV,
+               _CSR_LPT_SECTION_ENV)
         hit = cls._csr_plans.get(key)
         if hit is not None:
             return hit[0]
@@ -1625,7 +1628,8 @@ class FastSm90Forward:
         + 1) = ``rows`` + (nq + 1,). Unit bh * num_m_blocks + m (FlashFwdSm90.tile_coords) costs
         its CSR row's entries times the kernel's key blocks per CSR block, plus
         CSR_LPT_TILE_OVERHEAD (causal limits and the key tail are left out of the model); the
-        sections are the L2 sections of the causal order (heads_per_section)."""
+        sections are the L2 sections of the causal order (heads_per_section; their bytes set by
+        DUALATTN_SM90_CSR_LPT_SECTION_BYTES for comparisons)."""
         tile_m, tile_n = cls.config(spec)[:2]
         nm = -(-max(spec.seqlen_q, 1) // tile_m)
         hb = spec.batch * spec.num_heads_q
@@ -1645,7 +1649,8 @@ class FastSm90Forward:
                 r = base + m // ratio_m
                 costs.append(ratio_n * (full[r + 1] - full[r] + mask[r + 1] - mask[r]) + CSR_LPT_TILE_OVERHEAD)
         kv_row_bytes = (spec.head_dim + spec.head_dim_v) * spec.dtype.itemsize
-        section = min(heads_per_section(max(spec.seqlen_k, 1), kv_row_bytes, max)
+        section_bytes = int(_CSR_LPT_SECTION_ENV or L2_SECTION_BYTES)
+        section = min(heads_per_section(max(spec.seqlen_k, 1), kv_row_bytes, max, section_bytes)
                       * (spec.num_heads_q // spec.num_heads_kv), hb)
         static = max(static_stride_loads(cls._own_order_costs(spec, costs, nm, hb, section), ctas))
         rounds, table, busiest = lpt_unit_table(costs, ctas, [u // nm // section for u in range(units)])
