@@ -592,24 +592,28 @@ def test_block_sparse_unit_table_fields_and_plan(monkeypatch):
     costs = [counts[u % 64] + sm90.CSR_LPT_TILE_OVERHEAD for u in range(32 * 64)]
     loads = [sum(costs[table[k * 132 + c]] for k in range(16) if table[k * 132 + c] >= 0) for c in range(132)]
     assert max(loads) <= 0.93 * max(static_stride_loads(costs, 132))
-    # L2 sections of 8 heads (4 MB of K and V a head at 8k, 32 MB a section): a CTA's units come
-    # section by section
+    # sections of 2 heads (4 MB of K and V a head at 8k, CSR_LPT_SECTION_BYTES 8 MB): a CTA's
+    # units come section by section
     for c in range(132):
-        secs = [table[k * 132 + c] // 64 // 8 for k in range(16) if table[k * 132 + c] >= 0]
+        secs = [table[k * 132 + c] // 64 // 2 for k in range(16) if table[k * 132 + c] >= 0]
         assert secs == sorted(secs)
     # every row the same: the kernel's order is as good
     even = tuple(range(0, 65 * 16, 16))
     assert FastSm90Forward.csr_unit_plan(spec, even, tuple([0] * 65), (1, 1), 128, 128, 132) == (0, [])
-    # per-head row pointers (B', H' = B, H) and CSR blocks of 256 rows (two tiles a row): row r
-    # of head bh lists (bh % 5) * 2 + r % 3 blocks
-    per_head = []
+    # per-head row pointers (B', H' = B, H), CSR blocks of 256 x 256 (two tiles a row, each CSR
+    # block two key blocks): row r of head bh lists bh % 5 + r % 3 full blocks and one masked
+    per_head, per_head_mask = [], []
     for bh in range(32):
-        per_head += [sum((bh % 5) * 2 + r % 3 for r in range(n)) for n in range(33)]
-    rounds, table = FastSm90Forward.csr_unit_plan(replace(spec, block_size=(256, 128)), tuple(per_head),
-                                                  tuple([0] * 33 * 32), (2, 16), 256, 128, 132)
-    assert rounds == 16 and sorted(u for u in table if u >= 0) == list(range(32 * 64))
-    heavy = [u for u in table[:132] if u >= 0]  # the first round: the heaviest heads' units
-    assert all(((u // 64) % 5, (u % 64) // 2 % 3) in ((4, 2), (4, 1), (4, 0), (3, 2)) for u in heavy[:20])
+        per_head += [sum(bh % 5 + r % 3 for r in range(n)) for n in range(33)]
+        per_head_mask += list(range(33))
+    wide = replace(spec, block_size=(256, 256))
+    costs = FastSm90Forward.csr_unit_costs(wide, per_head, per_head_mask, (2, 16), 256, 256)
+    assert costs == [2 * (bh % 5 + m // 2 % 3 + 1) + sm90.CSR_LPT_TILE_OVERHEAD for bh in range(32) for m in range(64)]
+    # a batch-shared pattern (B' = 1, H' = heads) repeats per batch
+    shared = FastSm90Forward.csr_unit_costs(wide, per_head[:33 * 16], per_head_mask[:33 * 16], (1, 16), 256, 256)
+    assert shared == costs[:16 * 64] * 2
+    rounds, table = FastSm90Forward.csr_unit_plan(wide, tuple(per_head), tuple(per_head_mask), (2, 16), 256, 256, 132)
+    assert rounds and sorted(u for u in table if u >= 0) == list(range(32 * 64))
     # the launch's path: host copies kept by the value checks, then one plan per pattern
     dev = torch.device("cpu")
     assert FastSm90Forward.csr_unit_table(spec, bs, dev, 132) == (0, 0)  # never checked: no copy

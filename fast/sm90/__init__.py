@@ -227,6 +227,11 @@ VARLEN_LPT_MAX_UNITS = 16384
 # persistent grid's per-tile cost, docs section 35: 1.4-1.7), and the units up to which the
 # launch plans it (once per pattern; beyond, the kernel's own order)
 CSR_LPT_TILE_OVERHEAD = 1.5
+# K + V bytes of the heads whose units the table deals together: a quarter of the causal order's
+# L2 section. H100, the bench's 25 % pattern (hd128 8k, 4 MB of K and V a head), graph A/B (docs
+# section 59): 8 MB (2 heads, about one round of the grid) against 32 MB time 0.973, 4 MB 1.013
+# and 16 MB 1.007 against 8 MB
+CSR_LPT_SECTION_BYTES = 8 * 1024 * 1024
 CSR_LPT_MAX_UNITS = 32768
 PACK_GQA_MAX_SEQLEN_Q = 64  # query rows per head up to which GQA heads share the M tile (FastSm90Forward.pack_gqa)
 
@@ -1623,14 +1628,11 @@ class FastSm90Forward:
 
     @classmethod
     def csr_unit_plan(cls, spec, full, mask, rows, block_m: int, block_n: int, num_sms: int) -> Tuple[int, list]:
-        """(rounds, table) of csr_unit_table, (0, []) for the kernel's own order. ``full`` and
-        ``mask``: the flat row pointers of shape (B' (1 or batch), H' (1 or heads), query blocks
-        + 1) = ``rows`` + (nq + 1,). Unit bh * num_m_blocks + m (FlashFwdSm90.tile_coords) costs
-        its CSR row's entries times the kernel's key blocks per CSR block, plus
-        CSR_LPT_TILE_OVERHEAD (causal limits and the key tail are left out of the model); the
-        sections are the L2 sections of the causal order (heads_per_section; their bytes set by
-        DUALATTN_SM90_CSR_LPT_SECTION_BYTES for comparisons)."""
-        tile_m, tile_n = cls.config(spec)[:2]
+        """(rounds, table) of csr_unit_table, (0, []) for the kernel's own order: the units
+        (csr_unit_costs) dealt longest-processing-time first within sections of heads holding
+        CSR_LPT_SECTION_BYTES of K and V (heads_per_section; DUALATTN_SM90_CSR_LPT_SECTION_BYTES
+        for comparisons), where that lowers the busiest CTA by 1 % (SPLIT_TAIL_MIN_GAIN)."""
+        tile_m = cls.config(spec)[0]
         nm = -(-max(spec.seqlen_q, 1) // tile_m)
         hb = spec.batch * spec.num_heads_q
         units = nm * hb
@@ -1638,18 +1640,9 @@ class FastSm90Forward:
         forced = _CSR_LPT_ENV == "1"
         if ctas <= 0 or (units > CSR_LPT_MAX_UNITS and not forced):
             return 0, []
-        nq = -(-max(spec.seqlen_q, 1) // block_m)
-        ratio_m, ratio_n = block_m // tile_m, block_n // tile_n
-        bp, hp = rows
-        stride_b, stride_h = (hp * (nq + 1) if bp > 1 else 0), ((nq + 1) if hp > 1 else 0)
-        costs = []
-        for bh in range(hb):
-            base = (bh // spec.num_heads_q) * stride_b + (bh % spec.num_heads_q) * stride_h
-            for m in range(nm):
-                r = base + m // ratio_m
-                costs.append(ratio_n * (full[r + 1] - full[r] + mask[r + 1] - mask[r]) + CSR_LPT_TILE_OVERHEAD)
+        costs = cls.csr_unit_costs(spec, full, mask, rows, block_m, block_n)
         kv_row_bytes = (spec.head_dim + spec.head_dim_v) * spec.dtype.itemsize
-        section_bytes = int(_CSR_LPT_SECTION_ENV or L2_SECTION_BYTES)
+        section_bytes = int(_CSR_LPT_SECTION_ENV or CSR_LPT_SECTION_BYTES)
         section = min(heads_per_section(max(spec.seqlen_k, 1), kv_row_bytes, max, section_bytes)
                       * (spec.num_heads_q // spec.num_heads_kv), hb)
         static = max(static_stride_loads(cls._own_order_costs(spec, costs, nm, hb, section), ctas))
@@ -1657,6 +1650,27 @@ class FastSm90Forward:
         if not forced and busiest > (1 - SPLIT_TAIL_MIN_GAIN) * static:
             return 0, []
         return rounds, table
+
+    @classmethod
+    def csr_unit_costs(cls, spec, full, mask, rows, block_m: int, block_n: int) -> list:
+        """Modelled work of each unit bh * num_m_blocks + m (FlashFwdSm90.tile_coords): its CSR
+        row's entries, full and masked, times the kernel's key blocks per CSR block, plus
+        CSR_LPT_TILE_OVERHEAD (causal limits and the key tail are left out). ``full`` and
+        ``mask``: the flat row pointers, of shape ``rows`` (B' in (1, batch), H' in (1, heads))
+        + (CSR query blocks + 1,)."""
+        tile_m, tile_n = cls.config(spec)[:2]
+        nm = -(-max(spec.seqlen_q, 1) // tile_m)
+        nq = -(-max(spec.seqlen_q, 1) // block_m)
+        ratio_m, ratio_n = block_m // tile_m, block_n // tile_n
+        bp, hp = rows
+        stride_b, stride_h = (hp * (nq + 1) if bp > 1 else 0), ((nq + 1) if hp > 1 else 0)
+        costs = []
+        for bh in range(spec.batch * spec.num_heads_q):
+            base = (bh // spec.num_heads_q) * stride_b + (bh % spec.num_heads_q) * stride_h
+            for m in range(nm):
+                r = base + m // ratio_m
+                costs.append(ratio_n * (full[r + 1] - full[r] + mask[r + 1] - mask[r]) + CSR_LPT_TILE_OVERHEAD)
+        return costs
 
     @classmethod
     def _own_order_costs(cls, spec, costs, nm: int, hb: int, section: int) -> list:
