@@ -469,7 +469,8 @@ def _paired_varlen(spec) -> bool:
     hd64 10 documents 1.07x, 16 x 1k 0.96x, 40 documents 0.87x. GQA was left out then (16/4, 10
     documents 0.96x); with the units dealt by the launch's table (varlen_unit_table) it gains:
     H100, 2026-12-07, ci/sm90_env_ab.py "" "_PAIRED_ENV=varlen", hd128 causal 10 documents 16k
-    16/4 1.11x (513 -> 572 TFLOP/s), 32/8 1.20x (474 -> 569), 20 documents 32k 16/4 1.14x."""
+    16/4 1.11x (513 -> 572 TFLOP/s), 32/8 1.20x (474 -> 569), 20 documents 32k 16/4 1.14x; hd64
+    (2026-12-08, "_PAIRED_ENV=0" ""): 10 documents 16k 32/8 1.06x (367 -> 389), 16/4 1.20x."""
     return (spec.batch <= PAIRED_VARLEN_MAX_SEQUENCES
             and spec.seqlen_q >= PAIRED_VARLEN_MIN_SEQLEN.get(spec.head_dim, 1 << 30))
 
@@ -1184,7 +1185,9 @@ class FastSm90Forward:
         them longest-processing-time first within L2 sections of heads. Batched calls of one
         query head per row (no packed GQA rows, no end alignment: a tile is a CSR query block's
         128 rows). The kernel keeps its own order where the launch has no plan (no host copy of
-        the row pointers, a first call inside a graph capture, or a gain under 1 %).
+        the row pointers, a first call inside a graph capture, or a gain under 1 %). H100, graph
+        A/B (ci/sm90_env_ab.py "_CSR_LPT_ENV=0" "" sparse; docs section 59): the bench's cell
+        time 0.900-0.940 with 8 MB sections (608 -> 676, 614 -> 653 TFLOP/s).
         DUALATTN_SM90_CSR_LPT=0 turns it off, =1 deals by the table whatever the gain."""
         return (_CSR_LPT_ENV != "0" and spec.mode == "batched" and spec.has_block_sparse
                 and cls.config(spec)[5] and not (cls.paired(spec) or cls.stream_k(spec)
