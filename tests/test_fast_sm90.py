@@ -1250,6 +1250,95 @@ def _run_varlen_table_graph_worker(out_path: str) -> None:
         f.write(json.dumps(rec))
 
 
+def _run_csr_table_graph_worker(out_path: str) -> None:
+    """A block-sparse call dealt by the launch's unit table (FastSm90Forward.csr_unit_table,
+    forced, on 9 CTAs: several rounds), captured in a CUDA graph and replayed after the CSR was
+    rewritten in place to another pattern with the same number of entries per head (the query
+    blocks' rows reversed: every tile's cost moves, so the captured table is stale). A table only
+    permutes the spec's units, so the replay must still pass the oracle for the new pattern and
+    equal an eager call on it (which plans afresh) bit for bit. O and the LSE are NaN-poisoned
+    before every replay. Last, a control that the replays read the table at all: with one entry
+    set to -1 (an empty slot), that unit's rows stay NaN."""
+    import dualattn.fast.sm90 as sm90
+    from dualattn.accuracy import check_outputs
+    from dualattn.dispatch import select
+    from dualattn.sparse import BlockSparse
+    from dualattn.spec import build_dense
+
+    sm90._CSR_LPT_ENV, sm90._NUM_SMS_ENV = "1", "9"
+    B, S, H, D = 2, 1000, 4, 128
+    nq = -(-S // 128)
+    g = torch.Generator().manual_seed(5)
+    keep = torch.rand((B, H, nq, nq), generator=g) < (torch.arange(nq) + 1).view(-1, 1) / nq
+    states = keep.to(torch.int8) * torch.randint(1, 3, keep.shape, generator=g, dtype=torch.int8)
+    bs = BlockSparse.from_block_states(states.cuda(), 128, 128, S, S)
+    reversed_bs = BlockSparse.from_block_states(states.flip(2).cuda(), 128, 128, S, S)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, S, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    call = build_dense(q, k, v, block_sparse=bs, return_lse=True)
+    impl = select(call.spec, "fast")
+    rec = {"impl": impl.name, "csr_table": impl.name == "fast-sm90" and impl.csr_table(call.spec)}
+    impl.forward(call)  # eager: plans the table, loads the kernel
+    torch.cuda.synchronize()
+    table_ptr, rec["csr_rounds"] = impl.csr_unit_table(call.spec, bs, q.device, sm90._num_sms(q.device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = impl.forward(call)
+
+    def replay():
+        o_g.fill_(float("nan"))
+        lse_g.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+
+    checks, bitwise = [], True
+    same_shapes = all(a.shape == b.shape for a, b in (
+        (bs.q2k_full.rowptr, reversed_bs.q2k_full.rowptr), (bs.q2k_full.col, reversed_bs.q2k_full.col),
+        (bs.q2k_mask.rowptr, reversed_bs.q2k_mask.rowptr), (bs.q2k_mask.col, reversed_bs.q2k_mask.col)))
+    if not same_shapes:
+        checks.append("the reversed pattern's CSR arrays differ in shape: no in-place rewrite")
+    for name in ("planned", "rewritten"):
+        if name == "rewritten" and same_shapes:
+            for mine, theirs in ((bs.q2k_full, reversed_bs.q2k_full), (bs.q2k_mask, reversed_bs.q2k_mask)):
+                mine.rowptr.copy_(theirs.rowptr)
+                mine.col.copy_(theirs.col)
+        replay()
+        fresh = build_dense(q, k, v, block_sparse=bs, return_lse=True)  # checks the values again
+        o_eager, lse_eager = impl.forward(fresh)
+        torch.cuda.synchronize()
+        checks += [f"{name}: {c}" for c in check_outputs(fresh, o_g, lse_g) if not c.ok]
+        same = torch.equal(o_g, o_eager) and torch.equal(lse_g.nan_to_num(), lse_eager.nan_to_num())
+        bitwise = bitwise and same
+        if not same:
+            checks.append(f"{name}: the replay's bits differ from an eager call's")
+    rec["replanned"] = impl.csr_unit_table(call.spec, bs, q.device, sm90._num_sms(q.device))[0] != table_ptr
+    table = next((t for t in type(impl)._csr_tables.values() if t.data_ptr() == table_ptr), None)
+    rec["control_rows_left_nan"] = None
+    if table is not None:
+        slot = int((table >= 0).nonzero()[0])
+        kept = table[slot].clone()
+        table[slot] = -1
+        replay()
+        rec["control_rows_left_nan"] = int(o_g.isnan().any(dim=(2, 3)).sum())
+        table[slot] = kept
+        torch.cuda.synchronize()
+    rec["checks"], rec["ok"], rec["bitwise"] = checks, not checks, bitwise
+    with open(out_path, "w") as f:
+        f.write(json.dumps(rec))
+
+
+@pytest.mark.gpu
+def test_csr_unit_table_graph_replayed_after_the_pattern_rewritten(tmp_path):
+    r = _subprocess_record("--csr-table-graph", tmp_path)
+    assert r["impl"] == "fast-sm90" and r["csr_table"], r
+    assert r["csr_rounds"] >= 2, "the host planned no unit table of two rounds"
+    assert r["replanned"], "the eager call on the rewritten pattern reused the stale plan"
+    # a table entry turned into an empty slot left rows unwritten: the replays read the table
+    assert r["control_rows_left_nan"], r["control_rows_left_nan"]
+    assert r["ok"], "; ".join(r["checks"])
+    assert r["bitwise"]
+
+
 @pytest.mark.gpu
 def test_varlen_unit_table_graph_replayed_after_cu_seqlens_rewritten(tmp_path):
     r = _subprocess_record("--varlen-table-graph", tmp_path)
@@ -1274,3 +1363,5 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--split-tai
     _run_split_tail_graph_worker(sys.argv[2])
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--varlen-table-graph":
     _run_varlen_table_graph_worker(sys.argv[2])
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--csr-table-graph":
+    _run_csr_table_graph_worker(sys.argv[2])
