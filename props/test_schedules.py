@@ -170,3 +170,112 @@ def test_fast_sm90_small_grids_match_oracle(shard, case: Case, grid):
         for out, lse in runs[1:]:
             assert torch.equal(out, runs[0][0]) and torch.equal(lse.nan_to_num(), runs[0][1].nan_to_num()), \
                 f"fast-sm90 differs bitwise between repeated runs on {call.spec.short()} (grid {grid})"
+
+
+@contextlib.contextmanager
+def sm90_csr_table(num_sms: int, forced: bool):
+    """fast-sm90's block-sparse unit table (FastSm90Forward.csr_table): forced on ("1") or left to
+    the launch's model (""), on a grid of ``num_sms`` CTAs; the launch memo cleared on both sides."""
+    import dualattn.fast.sm90 as sm90
+    saved = (sm90._NUM_SMS_ENV, sm90._CSR_LPT_ENV)
+    sm90.FORWARD._entries.clear()
+    try:
+        sm90._NUM_SMS_ENV, sm90._CSR_LPT_ENV = str(num_sms), "1" if forced else ""
+        yield sm90.FORWARD
+    finally:
+        sm90._NUM_SMS_ENV, sm90._CSR_LPT_ENV = saved
+        sm90.FORWARD._entries.clear()
+
+
+@st.composite
+def csr_row_pointers(draw):
+    """(spec, full row pointers, mask row pointers, (B', H'), block_m, block_n) of a block-sparse
+    call fast-sm90 runs on the persistent grid: row counts drawn per (B', H', query block)."""
+    d = draw(st.sampled_from([64, 96, 128]))
+    hkv = draw(st.integers(1, 4))
+    hq = hkv * draw(st.sampled_from([1, 2, 4]))
+    batch = draw(st.integers(1, 3))
+    bm, bn = draw(st.sampled_from([(128, 128), (256, 128), (128, 256), (256, 256)]))
+    sq, sk = draw(st.integers(1, 6000)), draw(st.integers(1, 6000))
+    nq, nk = -(-sq // bm), -(-sk // bn)
+    bp, hp = draw(st.sampled_from([(1, 1), (batch, 1), (1, hq), (batch, hq)]))
+    spec = AttentionSpec("batched", batch, sq, sk, hq, hkv, d, d, torch.bfloat16, "cuda",
+                         causal=draw(st.booleans()), block_size=(bm, bn))
+    rows = st.lists(st.integers(0, nk), min_size=bp * hp * nq, max_size=bp * hp * nq)
+    pointers = []
+    for counts in (draw(rows), draw(rows)):
+        flat = []
+        for i in range(bp * hp):
+            flat += [sum(counts[i * nq:i * nq + r]) for r in range(nq + 1)]
+        pointers.append(tuple(flat))
+    return spec, pointers[0], pointers[1], (bp, hp), bm, bn
+
+
+@pytest.mark.device_free
+@profiles.examples(8.0)
+@given(drawn=csr_row_pointers(), num_sms=st.integers(1, 132), forced=st.booleans())
+def test_sm90_csr_tables_run_every_unit_once(drawn, num_sms, forced):
+    """The block-sparse unit table (FastSm90Forward.csr_unit_plan) for drawn row counts, shapes
+    and grids: none, or every unit (bh x query blocks + m) exactly once in rounds x CTAs slots,
+    each CTA's units section by section and heaviest first within one, and, unless forced, a
+    busiest CTA at least 1 % under the kernel's own order's. (A table that lost or repeated a
+    unit would leave a tile unstored or store it twice.)"""
+    from dualattn.fast.common.tile_order import static_stride_loads
+
+    spec, full, mask, rows, bm, bn = drawn
+    with sm90_csr_table(num_sms, forced) as impl:
+        assume(impl.csr_table(spec))
+        rounds, table = impl.csr_unit_plan(spec, full, mask, rows, bm, bn, num_sms)
+        tile_m = impl.config(spec)[0]
+        nm = -(-spec.seqlen_q // tile_m)
+        units = nm * spec.batch * spec.num_heads_q
+        ctas = min(units, num_sms)
+        event("planned" if rounds else "the kernel's own order")
+        if not rounds:
+            assert not forced or units > 32768
+            return
+        assert len(table) == rounds * ctas
+        assert sorted(u for u in table if u >= 0) == list(range(units))
+        costs = impl.csr_unit_costs(spec, full, mask, rows, bm, bn)
+        hb = spec.batch * spec.num_heads_q
+        section = impl.section_heads(spec, sm90_module().CSR_LPT_SECTION_BYTES)
+        for c in range(ctas):
+            mine = [table[k * ctas + c] for k in range(rounds) if table[k * ctas + c] >= 0]
+            assert all(table[k * ctas + c] < 0 for k in range(len(mine), rounds))  # empty slots last
+            order = [(u // nm // section, -costs[u]) for u in mine]
+            assert order == sorted(order), f"CTA {c}'s units out of section / weight order"
+        if not forced:
+            loads = [sum(costs[table[k * ctas + c]] for k in range(rounds) if table[k * ctas + c] >= 0)
+                     for c in range(ctas)]
+            own = impl._own_order_costs(spec, costs, nm, hb, impl.section_heads(spec, sm90_module().L2_SECTION_BYTES))
+            assert max(loads) <= 0.99 * max(static_stride_loads(own, ctas)) + 1e-9
+
+
+def sm90_module():
+    import dualattn.fast.sm90 as sm90
+    return sm90
+
+
+@st.composite
+def csr_table_cases(draw):
+    """Block-sparse batched calls for the unit table on small grids (drawn CSR, any block size
+    the strategies draw; fast-sm90 refuses those it cannot serve)."""
+    return draw(S.batched_cases(blocks=True, backward=False))
+
+
+@pytest.mark.skipif(not _hopper(), reason="fast-sm90 runs on Hopper (sm_90) only")
+@profiles.sharded(2.0)
+@given(case=csr_table_cases(), num_sms=st.integers(1, 12))
+def test_fast_sm90_csr_tables_match_oracle(shard, case: Case, num_sms):
+    """fast-sm90's block-sparse calls with the unit table forced on a grid of 1-12 CTAs (several
+    units a CTA, empty slots): the accuracy rule, and bit-for-bit repeats."""
+    inp = S.materialize(case)
+    call = S.build_call(inp)
+    with sm90_csr_table(num_sms, True) as impl:
+        assume(impl.can_implement(call.spec) is None and impl.csr_table(call.spec))
+        event("table" if impl.csr_unit_table(call.spec, call.block_sparse, inp.q.device, num_sms)[1]
+              else "no table")
+        harness.assert_matches_oracle(inp, impls=[impl])
+        runs = [harness.run(impl, inp, call=call)[0][:2] for _ in range(2)]
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1].nan_to_num(), runs[1][1].nan_to_num()), \
+            f"fast-sm90 differs bitwise between repeated runs on {call.spec.short()} ({num_sms} CTAs)"

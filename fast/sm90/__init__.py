@@ -1644,11 +1644,9 @@ class FastSm90Forward:
         if ctas <= 0 or (units > CSR_LPT_MAX_UNITS and not forced):
             return 0, []
         costs = cls.csr_unit_costs(spec, full, mask, rows, block_m, block_n)
-        kv_row_bytes = (spec.head_dim + spec.head_dim_v) * spec.dtype.itemsize
-        section_bytes = int(_CSR_LPT_SECTION_ENV or CSR_LPT_SECTION_BYTES)
-        section = min(heads_per_section(max(spec.seqlen_k, 1), kv_row_bytes, max, section_bytes)
-                      * (spec.num_heads_q // spec.num_heads_kv), hb)
-        static = max(static_stride_loads(cls._own_order_costs(spec, costs, nm, hb, section), ctas))
+        own = cls._own_order_costs(spec, costs, nm, hb, cls.section_heads(spec, L2_SECTION_BYTES))
+        static = max(static_stride_loads(own, ctas))
+        section = cls.section_heads(spec, int(_CSR_LPT_SECTION_ENV or CSR_LPT_SECTION_BYTES))
         rounds, table, busiest = lpt_unit_table(costs, ctas, [u // nm // section for u in range(units)])
         if not forced and busiest > (1 - SPLIT_TAIL_MIN_GAIN) * static:
             return 0, []
@@ -1675,11 +1673,19 @@ class FastSm90Forward:
                 costs.append(ratio_n * (full[r + 1] - full[r] + mask[r + 1] - mask[r]) + CSR_LPT_TILE_OVERHEAD)
         return costs
 
+    @staticmethod
+    def section_heads(spec, section_bytes: int) -> int:
+        """(batch, head) pairs whose K and V fit ``section_bytes`` (a GQA group's query heads
+        counted once, as FlashFwdSm90.l2_section_heads counts them), at most all of them."""
+        kv_row_bytes = (spec.head_dim + spec.head_dim_v) * spec.dtype.itemsize
+        return min(heads_per_section(max(spec.seqlen_k, 1), kv_row_bytes, max, section_bytes)
+                   * (spec.num_heads_q // spec.num_heads_kv), spec.batch * spec.num_heads_q)
+
     @classmethod
     def _own_order_costs(cls, spec, costs, nm: int, hb: int, section: int) -> list:
         """``costs`` (by unit bh * nm + m) in the kernel's own slot order without a table
         (FlashFwdSm90.tile_coords): query block fastest, or causal / right-bounded heaviest
-        first in L2 sections (the turned order's rotation left out)."""
+        first in L2 sections of ``section`` heads (the turned order's rotation left out)."""
         if not (spec.causal or spec.window[1] >= 0):
             return costs
         order = []
