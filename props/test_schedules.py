@@ -15,6 +15,9 @@ forced).
 * ``test_fast_sm90_small_grids_match_oracle`` (Hopper): the kernel on drawn shapes and grids meets
   the accuracy rule and repeats bit for bit; the pieces' merge order is fixed, whichever arrives
   last.
+* ``test_sm90_csr_tables_run_every_unit_once`` (no GPU) and ``test_fast_sm90_csr_tables_match_oracle``
+  (Hopper): block-sparse calls' unit tables (FastSm90Forward.csr_unit_plan) for drawn row counts
+  and grids, and the kernel with the table forced on 1-12 CTAs.
 """
 from __future__ import annotations
 
