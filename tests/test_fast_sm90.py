@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 import torch
@@ -1169,6 +1170,37 @@ def test_split_tail_first_launched_inside_a_cuda_graph_capture(tmp_path):
     assert r["bitwise"], "whole pairs / the split tail gave other bits"
 
 
+def _replay_against_eager(name, fresh, impl, o_g, lse_g):
+    """(failed checks, bitwise) of a graph replay's outputs ``o_g`` / ``lse_g``: the oracle of the
+    call ``fresh`` describes, and an eager forward of it bit for bit."""
+    from dualattn.accuracy import check_outputs
+
+    o_eager, lse_eager = impl.forward(fresh)
+    torch.cuda.synchronize()
+    failed = [f"{name}: {c}" for c in check_outputs(fresh, o_g, lse_g) if not c.ok]
+    same = torch.equal(o_g, o_eager) and torch.equal(lse_g.nan_to_num(), lse_eager.nan_to_num())
+    if not same:
+        failed.append(f"{name}: the replay's bits differ from an eager call's")
+    return failed, same
+
+
+def _rows_left_nan_without_a_unit(tables: dict, table_ptr: int, replay, o_g, head_dims) -> Optional[int]:
+    """The graph tests' control that replays read the launch table at all: the table at
+    ``table_ptr`` (one of the launch's device tables) gets its first unit replaced by -1 (an empty
+    slot) for one replay; returns how many rows of O that leaves NaN (None: no such table)."""
+    table = next((t for t in tables.values() if t.data_ptr() == table_ptr), None)
+    if table is None:
+        return None
+    slot = int((table >= 0).nonzero()[0])
+    kept = table[slot].clone()
+    table[slot] = -1
+    replay()
+    left = int(o_g.isnan().any(dim=head_dims).sum())
+    table[slot] = kept
+    torch.cuda.synchronize()
+    return left
+
+
 def _run_varlen_table_graph_worker(out_path: str) -> None:
     """A varlen paired call whose launch deals units by a table (FastSm90Forward
     .varlen_unit_table, forced; two rounds of the grid), captured in a CUDA graph and replayed
@@ -1180,7 +1212,6 @@ def _run_varlen_table_graph_worker(out_path: str) -> None:
     on them bit for bit. Last, a control that the replays read the table at all: with one entry
     set to -1 (an empty slot) and the planned lengths back, that unit's rows stay NaN."""
     import dualattn.fast.sm90 as sm90
-    from dualattn.accuracy import check_outputs
     from dualattn.dispatch import select
     from dualattn.fast.common.tile_order import paired_units
     from dualattn.spec import build_varlen
@@ -1227,24 +1258,12 @@ def _run_varlen_table_graph_worker(out_path: str) -> None:
     for name, lens in [("planned", planned), *rewrites.items()]:
         replay(lens)
         fresh = build_varlen(q, k, v, cu(lens), cu(lens), max(lens), max(lens), causal=True, return_lse=True)
-        o_eager, lse_eager = impl.forward(fresh)
-        torch.cuda.synchronize()
-        checks += [f"{name}: {c}" for c in check_outputs(fresh, o_g, lse_g) if not c.ok]
-        same = torch.equal(o_g, o_eager) and torch.equal(lse_g, lse_eager)
+        failed, same = _replay_against_eager(name, fresh, impl, o_g, lse_g)
+        checks += failed
         bitwise = bitwise and same
-        if not same:
-            checks.append(f"{name}: the replay's bits differ from an eager call's")
     # the control, last (the table is shared with every launch of these lengths)
-    table = next((t for t in type(impl)._varlen_tables.values() if t.data_ptr() == table_ptr), None)
-    rec["control_rows_left_nan"] = None
-    if table is not None:
-        slot = int((table >= 0).nonzero()[0])
-        kept = table[slot].clone()
-        table[slot] = -1
-        replay(planned)
-        rec["control_rows_left_nan"] = int(o_g.isnan().any(dim=(1, 2)).sum())
-        table[slot] = kept
-        torch.cuda.synchronize()
+    rec["control_rows_left_nan"] = _rows_left_nan_without_a_unit(
+        type(impl)._varlen_tables, table_ptr, lambda: replay(planned), o_g, (1, 2))
     rec["checks"], rec["ok"], rec["bitwise"] = checks, not checks, bitwise
     with open(out_path, "w") as f:
         f.write(json.dumps(rec))
@@ -1260,7 +1279,6 @@ def _run_csr_table_graph_worker(out_path: str) -> None:
     before every replay. Last, a control that the replays read the table at all: with one entry
     set to -1 (an empty slot), that unit's rows stay NaN."""
     import dualattn.fast.sm90 as sm90
-    from dualattn.accuracy import check_outputs
     from dualattn.dispatch import select
     from dualattn.sparse import BlockSparse
     from dualattn.spec import build_dense
@@ -1304,24 +1322,12 @@ def _run_csr_table_graph_worker(out_path: str) -> None:
                 mine.col.copy_(theirs.col)
         replay()
         fresh = build_dense(q, k, v, block_sparse=bs, return_lse=True)  # checks the values again
-        o_eager, lse_eager = impl.forward(fresh)
-        torch.cuda.synchronize()
-        checks += [f"{name}: {c}" for c in check_outputs(fresh, o_g, lse_g) if not c.ok]
-        same = torch.equal(o_g, o_eager) and torch.equal(lse_g.nan_to_num(), lse_eager.nan_to_num())
+        failed, same = _replay_against_eager(name, fresh, impl, o_g, lse_g)
+        checks += failed
         bitwise = bitwise and same
-        if not same:
-            checks.append(f"{name}: the replay's bits differ from an eager call's")
     rec["replanned"] = impl.csr_unit_table(call.spec, bs, q.device, sm90._num_sms(q.device))[0] != table_ptr
-    table = next((t for t in type(impl)._csr_tables.values() if t.data_ptr() == table_ptr), None)
-    rec["control_rows_left_nan"] = None
-    if table is not None:
-        slot = int((table >= 0).nonzero()[0])
-        kept = table[slot].clone()
-        table[slot] = -1
-        replay()
-        rec["control_rows_left_nan"] = int(o_g.isnan().any(dim=(2, 3)).sum())
-        table[slot] = kept
-        torch.cuda.synchronize()
+    rec["control_rows_left_nan"] = _rows_left_nan_without_a_unit(type(impl)._csr_tables, table_ptr, replay,
+                                                                 o_g, (2, 3))
     rec["checks"], rec["ok"], rec["bitwise"] = checks, not checks, bitwise
     with open(out_path, "w") as f:
         f.write(json.dumps(rec))
