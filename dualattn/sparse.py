@@ -319,16 +319,19 @@ class BlockSparse:
         return cls.from_key_ranges(kr, seqlen, seqlen, block_m, block_n)
 
     # ---- validation ----
-    def validate(self) -> None:
-        """Raise ValueError naming the array and the rule when the CSR is malformed."""
+    def validate(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Raise ValueError naming the array and the rule when the CSR is malformed; return the
+        full and mask row pointers as read to the host (int64), for callers that keep them."""
         _check_block_size(self.block_m, self.block_n)
         nq, nk = self.n_qblocks, self.n_kblocks
         f, m = self.q2k_full, self.q2k_mask
+        host_rowptrs = []
         if f.rowptr.shape[:2] != m.rowptr.shape[:2] or f.col.shape[:2] != f.rowptr.shape[:2] \
                 or m.col.shape[:2] != m.rowptr.shape[:2]:
             raise ValueError("block_sparse: full and mask CSR arrays must share their (B', H') dims")
         for name, csr in (("full", f), ("mask", m)):
             rp, col = csr.rowptr.cpu().to(torch.int64), csr.col.cpu().to(torch.int64)
+            host_rowptrs.append(rp)
             if rp.shape[-1] != nq + 1:
                 raise ValueError(f"block_sparse {name}_rowptr: length {rp.shape[-1]} must be n_qblocks + 1 = {nq + 1}")
             if bool((rp[..., 0] != 0).any()):
@@ -346,6 +349,7 @@ class BlockSparse:
         both = _csr_to_dense(BlockCSR(f.rowptr.cpu(), f.col.cpu()), nk) & _csr_to_dense(BlockCSR(m.rowptr.cpu(), m.col.cpu()), nk)
         if bool(both.any()):
             raise ValueError("block_sparse: a block is listed both as full and as mask")
+        return host_rowptrs[0], host_rowptrs[1]
 
     def check_compatible(self, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, validate_values: bool = True,
                          exact_lengths: bool = False):
@@ -373,9 +377,9 @@ class BlockSparse:
             what = ("block_sparse", self.n_qblocks, self.n_kblocks)
             tensors = (self.q2k_full.rowptr, self.q2k_full.col, self.q2k_mask.rowptr, self.q2k_mask.col)
             if not VALUE_CHECK_MEMO.passed(what, *tensors):
-                self.validate()
+                host_rowptrs = self.validate()
                 VALUE_CHECK_MEMO.remember(what, *tensors)
                 # the row pointers' host copies, for launches that plan by them
-                # (fast-sm90's block-sparse unit table): read with the checks, kept by the same rule
-                for rowptr in (self.q2k_full.rowptr, self.q2k_mask.rowptr):
-                    VALUE_CHECK_MEMO.remember_values(rowptr, tuple(rowptr.cpu().flatten().tolist()))
+                # (fast-sm90's block-sparse unit table): read by the checks, kept by the same rule
+                for rowptr, host in zip((self.q2k_full.rowptr, self.q2k_mask.rowptr), host_rowptrs):
+                    VALUE_CHECK_MEMO.remember_values(rowptr, tuple(host.flatten().tolist()))

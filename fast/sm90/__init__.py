@@ -1189,11 +1189,12 @@ class FastSm90Forward:
         A/B (ci/sm90_env_ab.py "_CSR_LPT_ENV=0" "" sparse; docs section 59): the bench's cell
         time 0.900-0.940 with 8 MB sections (608 -> 676, 614 -> 653 TFLOP/s).
         DUALATTN_SM90_CSR_LPT=0 turns it off, =1 deals by the table whatever the gain."""
-        return (_CSR_LPT_ENV != "0" and spec.mode == "batched" and spec.has_block_sparse
-                and cls.config(spec)[5] and cls.config(spec)[0] == 128 and not (cls.paired(spec) or cls.stream_k(spec)
-                                                  or cls.window_order(spec) or cls.key_split(spec)
-                                                  or cls.end_aligned(spec))
-                and cls.pack_gqa(spec) == 1)
+        if _CSR_LPT_ENV == "0" or spec.mode != "batched" or not spec.has_block_sparse:
+            return False
+        tile_m, persistent = cls.config(spec)[0], cls.config(spec)[5]
+        return (persistent and tile_m == 128 and cls.pack_gqa(spec) == 1
+                and not (cls.paired(spec) or cls.stream_k(spec) or cls.window_order(spec)
+                         or cls.key_split(spec) or cls.end_aligned(spec)))
 
     @classmethod
     def split_tail_schedule(cls, spec, num_sms: int) -> Tuple[int, int, list]:
